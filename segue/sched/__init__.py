@@ -1,0 +1,1 @@
+"""Iteration-level scheduling: budgets, queues and pluggable policies (pure Python)."""

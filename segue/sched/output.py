@@ -1,0 +1,38 @@
+"""What one scheduling step asks the executor to do."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from segue.request import Request
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    # Tokens to run this step and the position of the first one.
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    # True when this chunk reaches the end of the known tokens, so a next token is sampled.
+    sample: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    # Block copies to perform before the forward pass.
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.blocks_to_swap_in and not self.blocks_to_swap_out

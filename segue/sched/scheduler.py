@@ -1,0 +1,193 @@
+"""The iteration-level scheduler: one token budget per step shared by prefill chunks and decodes.
+
+Every request carries `num_computed_tokens`; a step gives each scheduled request the next
+`min(remaining, budget)` of its tokens, so a prompt is prefilled in chunks, a decode is one token,
+and a preempted request recomputes its whole context by the same path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from segue.config import SchedulerConfig
+from segue.kv.manager import KVCacheManager
+from segue.request import Request, RequestStatus
+from segue.sched.output import ScheduledSeq, SchedulerOutput
+from segue.sched.policies import SchedulingPolicy
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_preemptions_total: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: SchedulingPolicy,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.policy = policy
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions_total = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
+    # ---- queue management ----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Remove a request for good and free its KV (idempotent)."""
+        if request.request_id not in self.requests:
+            return
+        assert status.finished
+        del self.requests[request.request_id]
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        self.policy.on_finished(request, 0.0)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: drop the KV, keep the tokens, wait again."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.append(request)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        key = lambda r: self.policy.key(r, now)  # noqa: E731
+        self.running.sort(key=key)
+        scheduled: list[tuple[Request, int]] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+
+        if not out.preempted:
+            self.waiting.sort(key=key)
+            admitted = []
+            for req in self.waiting:
+                if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                    break
+                hits, num_hit = ([], 0)
+                if req.num_computed_tokens == 0:
+                    hits, num_hit = self.kv.get_computed_blocks(req)
+                num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
+                if not self.kv.allocate_slots(req, num_new, hits):
+                    break  # head-of-line: the policy's order decides who gets memory first
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                    self.prefix_hit_tokens += num_hit
+                    self.prefix_query_tokens += req.num_prompt_tokens
+                req.num_computed_tokens += num_hit
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                admitted.append(req)
+                scheduled.append((req, num_new))
+                budget -= num_new
+            if admitted:
+                admitted_ids = {id(r) for r in admitted}
+                self.waiting = [r for r in self.waiting if id(r) not in admitted_ids]
+
+        for req, num_new in scheduled:
+            start = req.num_computed_tokens
+            out.seqs.append(ScheduledSeq(
+                request=req,
+                token_ids=req.tokens_slice(start, start + num_new),
+                start_pos=start,
+                block_table=self.kv.block_ids(req.request_id),
+                sample=start + num_new == req.num_tokens,
+            ))
+            self.policy.on_scheduled(req, num_new, now)
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance progress, append sampled tokens, and finish requests that hit a stop
+        condition the scheduler can see (EOS, stop token ids, max_tokens, context length).
+        Returns the requests that received a token this step."""
+        got_token = []
+        for seq in out.seqs:
+            req = seq.request
+            if req.is_finished:
+                continue
+            req.num_computed_tokens += seq.num_tokens
+            self.kv.cache_full_blocks(req)
+            if not seq.sample:
+                continue
+            token = sampled[req.request_id]
+            req.output_token_ids.append(token)
+            got_token.append(req)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.finish_request(req, status)
+        return got_token
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if not params.ignore_eos and token in req.eos_token_ids:
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.device.usage(),
+                              self.num_preemptions_total, self.prefix_hit_tokens, self.prefix_query_tokens)
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        ids = [r.request_id for r in self.running + self.waiting]
+        assert len(ids) == len(set(ids)), "a request is queued twice"
+        assert set(ids) == set(self.requests), "queues and the request table disagree"
+        for rid in self.kv.tables:
+            assert rid in self.requests, f"finished request {rid} still holds KV blocks"
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING
+            held = len(self.kv.tables.get(req.request_id, ()))
+            assert held * self.kv.block_size >= req.num_computed_tokens, f"{req.request_id}: KV lost"
+        for req in self.waiting:
+            assert req.request_id not in self.kv.tables or req.num_computed_tokens > 0

@@ -1,0 +1,121 @@
+"""Randomized scheduler + KV manager runs with invariants checked after every step."""
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings, strategies as st
+
+from segue.config import SchedulerConfig
+from segue.kv.manager import KVCacheManager
+from segue.request import Request, RequestStatus
+from segue.sampling_params import SamplingParams
+from segue.sched.policies import make_policy
+from segue.sched.scheduler import Scheduler
+
+VOCAB = 50
+
+
+def make_scheduler(num_blocks=32, block_size=4, budget=32, max_seqs=8, caching=True):
+    kv = KVCacheManager(block_size, num_blocks, enable_prefix_caching=caching)
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    return Scheduler(cfg, kv, make_policy("fcfs"), max_model_len=num_blocks * block_size)
+
+
+def fake_token(req: Request) -> int:
+    # Deterministic "model": next token depends on the context, like a real one.
+    return (sum(req.all_token_ids) * 31 + req.num_tokens) % VOCAB
+
+
+def run_step(sched: Scheduler, now: float) -> None:
+    out = sched.schedule(now)
+    sampled = {s.request.request_id: fake_token(s.request) for s in out.seqs if s.sample}
+    for s in out.seqs:
+        assert s.num_tokens >= 1
+        assert len(s.block_table) * sched.kv.block_size >= s.start_pos + s.num_tokens
+    assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+    assert len(out.seqs) <= sched.config.max_num_seqs
+    sched.update_from_output(out, sampled)
+    sched.check_invariants()
+
+
+def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
+    req = Request("ref", list(prompt), SamplingParams(max_tokens=max_tokens), 0.0)
+    for _ in range(max_tokens):
+        req.output_token_ids.append(fake_token(req))
+    return req.output_token_ids
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), num_blocks=st.integers(8, 40), budget=st.integers(1, 40),
+       caching=st.booleans())
+def test_random_workload_invariants_and_outputs(seed, num_blocks, budget, caching):
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=num_blocks, budget=budget, caching=caching)
+    shared = [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 12))]
+    reqs, aborted = [], set()
+    for i in range(rng.randrange(1, 12)):
+        prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 14))]
+        max_tokens = rng.randrange(1, 10)
+        if len(prompt) + max_tokens > sched.max_model_len:
+            continue
+        reqs.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), float(i)))
+    pending = list(reqs)
+    step = 0
+    while pending or sched.has_unfinished_requests():
+        if pending and rng.random() < 0.5:
+            sched.add_request(pending.pop(0))
+        if sched.requests and rng.random() < 0.05:
+            rid = rng.choice(sorted(sched.requests))
+            sched.abort_request(rid)
+            aborted.add(rid)
+            sched.check_invariants()
+        run_step(sched, float(step))
+        step += 1
+        assert step < 5000, "scheduler made no progress"
+    assert sched.kv.num_held_blocks() == 0
+    assert sched.kv.device.num_free_blocks == num_blocks
+    for req in reqs:
+        if req.request_id in aborted:
+            assert req.status == RequestStatus.FINISHED_ABORTED
+            continue
+        assert req.status == RequestStatus.FINISHED_LENGTH
+        # Preemption, chunking and prefix hits must not change what is generated.
+        assert req.output_token_ids == reference_output(req.prompt_token_ids, req.sampling_params.max_tokens)
+
+
+def test_prefix_cache_hit_counts_whole_blocks_and_backs_off_full_hit():
+    sched = make_scheduler(num_blocks=16, block_size=4, budget=64)
+    prompt = list(range(10))
+    a = Request("a", prompt, SamplingParams(max_tokens=1), 0.0)
+    sched.add_request(a)
+    run_step(sched, 0.0)
+    assert a.is_finished
+    b = Request("b", prompt + [11], SamplingParams(max_tokens=1), 1.0)
+    sched.add_request(b)
+    out = sched.schedule(1.0)
+    assert b.num_cached_tokens == 8  # two full blocks of four
+    assert out.seqs[0].start_pos == 8 and out.seqs[0].token_ids == [8, 9, 11]
+    sched.update_from_output(out, {"b": 0})
+    c = Request("c", list(range(8)), SamplingParams(max_tokens=1), 2.0)
+    sched.add_request(c)
+    out = sched.schedule(2.0)
+    # Everything is cached, but the last token must run to produce logits.
+    assert c.num_cached_tokens == 4 and out.seqs[0].token_ids == [4, 5, 6, 7]
+    sched.update_from_output(out, {"c": 0})
+    sched.check_invariants()
+
+
+def test_preemption_when_blocks_run_out_recomputes_latest_arrival():
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    a = Request("a", list(range(7)), SamplingParams(max_tokens=6), 0.0)
+    b = Request("b", list(range(20, 27)), SamplingParams(max_tokens=6), 1.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    preempted = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule(0.0)
+        preempted += [r.request_id for r in out.preempted]
+        sched.update_from_output(out, {s.request.request_id: 1 for s in out.seqs if s.sample})
+        sched.check_invariants()
+    assert preempted and set(preempted) == {"b"}
+    assert b.num_preemptions >= 1 and b.num_output_tokens == 6
