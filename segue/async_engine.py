@@ -1,0 +1,148 @@
+"""Asyncio front of the engine: the step loop runs on its own thread, callers stream outputs.
+
+Callers never touch engine state directly. Validation and tokenization run in the caller's
+worker thread; adds and aborts are queued and applied by the loop thread between steps, so a
+long step never blocks the event loop and no lock is held across a forward pass.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from typing import AsyncIterator, Callable
+
+from segue.config import EngineConfig
+from segue.engine import LLMEngine
+from segue.outputs import RequestOutput
+from segue.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._ops: deque[Callable[[], None]] = deque()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="segue-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
+        return cls(LLMEngine(config))
+
+    # ---- public API ----------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None, **hints) -> AsyncIterator[RequestOutput]:
+        """Yields the cumulative output after every new token; the last one has finished=True.
+        Leaving the iterator early (client disconnect, cancellation) aborts the request."""
+        if self._stopped:
+            raise EngineDeadError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        state = await loop.run_in_executor(None, lambda: self.engine.make_request(request_id, prompt, params, **hints))
+        rid = state.request.request_id
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = (loop, queue)
+        self._submit(lambda: self.engine.add_prepared(state))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(lambda: self._deliver(self.engine.abort_request(request_id)))
+
+    async def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Stop the loop; requests still running after `drain_timeout` seconds are aborted."""
+        deadline = asyncio.get_running_loop().time() + drain_timeout
+        while self._streams and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self._streams):
+            self.abort(rid)
+        self._submit(self._stop)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._streams)
+
+    def run_sync(self, fn: Callable[[LLMEngine], object]) -> "asyncio.Future":
+        """Run fn(engine) on the loop thread between steps (for stats and invariant checks)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def op() -> None:
+            try:
+                result = fn(self.engine)
+            except Exception as e:  # handed to the caller, not swallowed
+                loop.call_soon_threadsafe(fut.set_exception, e)
+            else:
+                loop.call_soon_threadsafe(fut.set_result, result)
+        self._submit(op)
+        return fut
+
+    # ---- loop thread ---------------------------------------------------------------------
+    def _submit(self, op: Callable[[], None]) -> None:
+        self._ops.append(op)
+        self._wakeup.set()
+
+    def _stop(self) -> None:
+        self._stopped = True
+
+    def _deliver(self, output: RequestOutput | BaseException | None, request_id: str | None = None) -> None:
+        if output is None:
+            return
+        rid = request_id or output.request_id
+        stream = self._streams.get(rid)
+        if stream is None:
+            return
+        if isinstance(output, BaseException) or output.finished:
+            del self._streams[rid]
+        loop, queue = stream
+        loop.call_soon_threadsafe(queue.put_nowait, output)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            while self._ops:
+                op = self._ops.popleft()
+                try:
+                    op()
+                except Exception as e:
+                    logger.exception("engine operation failed")
+                    self._fail_orphans(e)
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait(timeout=1.0)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:
+                logger.exception("engine step failed; aborting all requests")
+                for rid in list(self.engine.scheduler.requests):
+                    self.engine.abort_request(rid)
+                    self._deliver(e, rid)
+                continue
+            for out in outputs:
+                self._deliver(out)
+
+    def _fail_orphans(self, error: Exception) -> None:
+        """Streams whose request never reached the engine (e.g. a failed add) get the error."""
+        for rid in list(self._streams):
+            if rid not in self.engine.scheduler.requests:
+                self._deliver(error, rid)

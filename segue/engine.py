@@ -1,0 +1,192 @@
+"""The step loop: schedule -> execute -> update, with detokenization and stop strings."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from segue.config import EngineConfig
+from segue.detokenizer import IncrementalDetokenizer
+from segue.executor.base import Executor
+from segue.kv.manager import KVCacheManager
+from segue.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from segue.request import Request, RequestStatus
+from segue.sampling_params import InvalidRequestError, SamplingParams
+from segue.sched.policies import make_policy
+from segue.sched.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprob] | None = field(default=None)
+
+
+class LLMEngine:
+    """Synchronous engine. Not thread-safe: AsyncLLMEngine owns one and drives it from a thread."""
+
+    def __init__(self, config: EngineConfig, executor: Executor | None = None,
+                 tokenizer: Any = None, model_config: Any = None, model_name: str | None = None,
+                 chat_template: str | None = None) -> None:
+        config.validate()
+        self.config = config
+        if executor is None:
+            executor, tokenizer, model_config, model_name, chat_template = self._load(config)
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.chat_template = chat_template
+        self.model_name = config.model.served_model_name or model_name or "segue-model"
+        pool_tokens = executor.num_device_blocks * executor.block_size
+        self.max_model_len = min(config.scheduler.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings, pool_tokens)
+        kv = KVCacheManager(executor.block_size, executor.num_device_blocks, executor.num_host_blocks,
+                            config.cache.enable_prefix_caching, config.cache.prefix_cache_salt)
+        self.scheduler = Scheduler(config.scheduler, kv, make_policy(config.scheduler.policy),
+                                   self.max_model_len)
+        self._states: dict[str, RequestState] = {}
+        self.num_steps = 0
+
+    @staticmethod
+    def _load(config: EngineConfig):
+        import torch
+
+        from segue.executor.model_executor import ModelExecutor, resolve_device, resolve_dtype
+        from segue.model.loader import load_checkpoint
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = resolve_device(config.model.device)
+        dtype = resolve_dtype(config.model.dtype, device)
+        ckpt = load_checkpoint(config.model.model, dtype=dtype)
+        executor = ModelExecutor(ckpt, config.cache, device, dtype)
+        return executor, ckpt.tokenizer, ckpt.config, ckpt.name, ckpt.chat_template
+
+    # ---- requests ------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        if not self.chat_template:
+            raise InvalidRequestError(f"model {self.model_name} has no chat template; use completions")
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, chat_template=self.chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt)
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def make_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
+                     arrival_time: float | None = None, priority: int = 0,
+                     program_id: str | None = None) -> RequestState:
+        """Validate and tokenize without touching engine state (safe from any thread)."""
+        params.validate()
+        request_id = request_id or uuid.uuid4().hex
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens but this model's context window is "
+                f"{self.max_model_len} tokens (prompt plus at least one generated token)")
+        now = time.monotonic() if arrival_time is None else arrival_time
+        request = Request(request_id, token_ids, params, now, self.model_config.eos_token_ids,
+                          priority=priority, program_id=program_id)
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+        return RequestState(request, text, detok, RequestMetrics(arrival_time=now),
+                             [] if params.logprobs is not None else None)
+
+    def add_prepared(self, state: RequestState) -> Request:
+        rid = state.request.request_id
+        if rid in self._states:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        self._states[rid] = state
+        self.scheduler.add_request(state.request)
+        return state.request
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0,
+                    program_id: str | None = None) -> Request:
+        return self.add_prepared(self.make_request(request_id, prompt, params, arrival_time, priority, program_id))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return None
+        self.scheduler.abort_request(request_id)
+        state.metrics.finished_time = time.monotonic()
+        return self._make_output(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._states)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        out = self.scheduler.schedule(now)
+        if out.is_empty:
+            return []
+        for seq in out.seqs:
+            state = self._states[seq.request.request_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+        try:
+            sampled = self.executor.execute(out)
+        except Exception:
+            # A failing batch must not take the engine down: fail its requests, keep serving.
+            logger.exception("executor failed; aborting the %d requests in this batch", len(out.seqs))
+            return [o for o in (self.abort_request(s.request.request_id) for s in out.seqs) if o]
+        self.num_steps += 1
+        got_token = self.scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
+        now = time.monotonic()
+        outputs = []
+        for req in got_token:
+            state = self._states[req.request_id]
+            token = req.output_token_ids[-1]
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            stop_str = state.detokenizer.append(token)
+            if state.logprobs is not None:
+                s = sampled[req.request_id]
+                detok = state.detokenizer
+                state.logprobs.append(TokenLogprob(token, detok.token_text(token), s.logprob or 0.0,
+                                                   [(t, detok.token_text(t), lp) for t, lp in (s.top or [])]))
+            if stop_str is not None and not req.is_finished:
+                req.stop_reason = stop_str
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+            if req.is_finished:
+                state.metrics.finished_time = now
+                del self._states[req.request_id]
+            outputs.append(self._make_output(state))
+        for req in out.preempted:
+            if req.request_id in self._states:
+                self._states[req.request_id].metrics.num_preemptions = req.num_preemptions
+        return outputs
+
+    def _make_output(self, state: RequestState) -> RequestOutput:
+        req = state.request
+        finished = req.is_finished
+        text = state.detokenizer.flush() if finished else state.detokenizer.text
+        completion = CompletionOutput(0, text, list(req.output_token_ids), req.status.finish_reason,
+                                      req.stop_reason, list(state.logprobs) if state.logprobs is not None else None)
+        return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, [completion], finished,
+                             state.metrics, max(req.num_cached_tokens, 0))
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+        assert set(self._states) == set(self.scheduler.requests), "engine and scheduler disagree"

@@ -1,0 +1,1 @@
+"""Model description, checkpoint loading and the forward pass."""

@@ -1,0 +1,77 @@
+"""Attention over the paged KV cache.
+
+Decodes (one query token each) run as one batched grouped-query matmul over their gathered
+blocks, with an additive mask built once per step and shared by every layer. Prefill chunks run
+one sequence at a time through scaled_dot_product_attention (flash kernels where available).
+GQA never repeats K/V: query heads are grouped per KV head instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from segue.model.kv_cache import KVCache
+
+
+@dataclass
+class PrefillChunk:
+    token_start: int      # first row of this chunk in the step's token batch
+    token_end: int
+    start_pos: int        # position of the chunk's first token in its sequence
+    block_ids: torch.Tensor
+    mask: torch.Tensor | None  # bool [n, ctx] (True = attend); None when causal from position 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor                 # [T] cache slot of every new token
+    num_decodes: int = 0                       # decode tokens come first in the batch
+    decode_blocks: torch.Tensor | None = None  # [num_decodes * max_blocks] padded block ids
+    decode_mask: torch.Tensor | None = None    # [num_decodes, 1, max_blocks * block_size] additive
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def _decode_attention(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    nd, nh, hd = q.shape
+    kc, vc = cache.k[layer], cache.v[layer]
+    kvh = kc.shape[0]
+    k = kc.index_select(1, meta.decode_blocks).view(kvh, nd, -1, hd)
+    v = vc.index_select(1, meta.decode_blocks).view(kvh, nd, -1, hd)
+    qg = q.view(nd, kvh, nh // kvh, hd).transpose(0, 1)          # [kvh, nd, g, hd]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).add_(meta.decode_mask)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.matmul(probs, v)                                  # [kvh, nd, g, hd]
+    return out.transpose(0, 1).reshape(nd, nh * hd)
+
+
+def _prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: KVCache,
+                       layer: int, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    n, nh, hd = q.shape
+    qh = q.transpose(0, 1).unsqueeze(0)                           # [1, nh, n, hd]
+    if chunk.mask is None:
+        k = k_new.transpose(0, 1).unsqueeze(0)
+        v = v_new.transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        ctx = chunk.mask.shape[-1]
+        kc, vc = cache.k[layer], cache.v[layer]
+        kvh = kc.shape[0]
+        k = kc.index_select(1, chunk.block_ids).view(kvh, -1, hd)[:, :ctx].unsqueeze(0)
+        v = vc.index_select(1, chunk.block_ids).view(kvh, -1, hd)[:, :ctx].unsqueeze(0)
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1).reshape(n, nh * hd)
+
+
+def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: KVCache,
+                    layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, dim]; k_new/v_new: this step's K/V (already written to the cache)."""
+    parts = []
+    if meta.num_decodes:
+        parts.append(_decode_attention(q[:meta.num_decodes], cache, layer, meta, scale))
+    for chunk in meta.prefills:
+        a, b = chunk.token_start, chunk.token_end
+        parts.append(_prefill_attention(q[a:b], k_new[a:b], v_new[a:b], cache, layer, chunk, scale))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
