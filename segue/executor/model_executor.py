@@ -51,6 +51,10 @@ class ModelExecutor(Executor):
         self.num_host_blocks = cache.swap_space_tokens // cache.block_size
         self.kv_cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache.block_size,
                                 self.num_device_blocks, self.num_host_blocks, device, dtype)
+        self.decode_kernel = None
+        if device.type == "cpu" and dtype == torch.float32:
+            from segue.model.cpu_kernels import load_cpu_kernels
+            self.decode_kernel = load_cpu_kernels()
         logger.info("KV cache: %d device blocks (%d tokens, %.0f MiB), %d host blocks",
                     self.num_device_blocks, self.num_device_blocks * cache.block_size,
                     self.num_device_blocks * block_bytes / 2**20, self.num_host_blocks)
@@ -77,9 +81,13 @@ class ModelExecutor(Executor):
                       for s in decodes]
             meta.decode_blocks = torch.tensor(padded, device=dev).view(-1)
             ctx = torch.tensor([s.start_pos + 1 for s in decodes], device=dev)
-            key_pos = torch.arange(max_blocks * bs, device=dev)
-            mask = torch.zeros(len(decodes), 1, max_blocks * bs, device=dev, dtype=self.dtype)
-            meta.decode_mask = mask.masked_fill_((key_pos[None, :] >= ctx[:, None]).unsqueeze(1), float("-inf"))
+            meta.decode_context_lens = ctx
+            meta.decode_kernel = self.decode_kernel
+            if self.decode_kernel is None:
+                key_pos = torch.arange(max_blocks * bs, device=dev)
+                mask = torch.zeros(len(decodes), 1, max_blocks * bs, device=dev, dtype=self.dtype)
+                meta.decode_mask = mask.masked_fill_((key_pos[None, :] >= ctx[:, None]).unsqueeze(1),
+                                                     float("-inf"))
         row = len(decodes)
         for s in seqs:
             if s.num_tokens == 1:

@@ -1,7 +1,8 @@
 """Attention over the paged KV cache.
 
-Decodes (one query token each) run as one batched grouped-query matmul over their gathered
-blocks, with an additive mask built once per step and shared by every layer. Prefill chunks run
+Decodes (one query token each) run through a native CPU kernel that reads each block in place
+(fp32 on CPU), or else as one batched grouped-query matmul over their gathered blocks with an
+additive mask built once per step and shared by every layer. Prefill chunks run
 one sequence at a time through scaled_dot_product_attention (flash kernels where available).
 GQA never repeats K/V: query heads are grouped per KV head instead.
 """
@@ -30,6 +31,9 @@ class AttentionMetadata:
     num_decodes: int = 0                       # decode tokens come first in the batch
     decode_blocks: torch.Tensor | None = None  # [num_decodes * max_blocks] padded block ids
     decode_mask: torch.Tensor | None = None    # [num_decodes, 1, max_blocks * block_size] additive
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes]
+    # The native CPU kernel module when it applies (fp32 on CPU), else None: torch path.
+    decode_kernel: object | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -37,6 +41,10 @@ def _decode_attention(q: torch.Tensor, cache: KVCache, layer: int, meta: Attenti
                       scale: float) -> torch.Tensor:
     nd, nh, hd = q.shape
     kc, vc = cache.k[layer], cache.v[layer]
+    if meta.decode_kernel is not None:
+        out = meta.decode_kernel.paged_decode_attention(
+            q, kc, vc, meta.decode_blocks.view(nd, -1), meta.decode_context_lens, scale)
+        return out.view(nd, nh * hd)
     kvh = kc.shape[0]
     k = kc.index_select(1, meta.decode_blocks).view(kvh, nd, -1, hd)
     v = vc.index_select(1, meta.decode_blocks).view(kvh, nd, -1, hd)
