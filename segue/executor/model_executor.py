@@ -85,9 +85,7 @@ class ModelExecutor(Executor):
             meta.decode_kernel = self.decode_kernel
             if self.decode_kernel is None:
                 key_pos = torch.arange(max_blocks * bs, device=dev)
-                mask = torch.zeros(len(decodes), 1, max_blocks * bs, device=dev, dtype=self.dtype)
-                meta.decode_mask = mask.masked_fill_((key_pos[None, :] >= ctx[:, None]).unsqueeze(1),
-                                                     float("-inf"))
+                meta.decode_mask = (key_pos[None, :] < ctx[:, None]).view(len(decodes), 1, 1, -1)
         row = len(decodes)
         for s in seqs:
             if s.num_tokens == 1:

@@ -1,8 +1,8 @@
 """Attention over the paged KV cache.
 
 Decodes (one query token each) run through a native CPU kernel that reads each block in place
-(fp32 on CPU), or else as one batched grouped-query matmul over their gathered blocks with an
-additive mask built once per step and shared by every layer. Prefill chunks run
+(fp32 on CPU), or else through scaled_dot_product_attention over their gathered blocks with a
+mask built once per step and shared by every layer. Prefill chunks run
 one sequence at a time through scaled_dot_product_attention (flash kernels where available).
 GQA never repeats K/V: query heads are grouped per KV head instead.
 """
@@ -30,7 +30,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor                 # [T] cache slot of every new token
     num_decodes: int = 0                       # decode tokens come first in the batch
     decode_blocks: torch.Tensor | None = None  # [num_decodes * max_blocks] padded block ids
-    decode_mask: torch.Tensor | None = None    # [num_decodes, 1, max_blocks * block_size] additive
+    decode_mask: torch.Tensor | None = None    # [num_decodes, 1, 1, max_blocks * block_size] bool
     decode_context_lens: torch.Tensor | None = None  # [num_decodes]
     # The native CPU kernel module when it applies (fp32 on CPU), else None: torch path.
     decode_kernel: object | None = None
@@ -46,13 +46,13 @@ def _decode_attention(q: torch.Tensor, cache: KVCache, layer: int, meta: Attenti
             q, kc, vc, meta.decode_blocks.view(nd, -1), meta.decode_context_lens, scale)
         return out.view(nd, nh * hd)
     kvh = kc.shape[0]
-    k = kc.index_select(1, meta.decode_blocks).view(kvh, nd, -1, hd)
-    v = vc.index_select(1, meta.decode_blocks).view(kvh, nd, -1, hd)
-    qg = q.view(nd, kvh, nh // kvh, hd).transpose(0, 1)          # [kvh, nd, g, hd]
-    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).add_(meta.decode_mask)
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = torch.matmul(probs, v)                                  # [kvh, nd, g, hd]
-    return out.transpose(0, 1).reshape(nd, nh * hd)
+    # [kvh, nd * blocks, block, hd] -> [nd, kvh, ctx, hd] as strided views; SDPA picks the fused
+    # kernel for the device (flash / memory-efficient on CUDA) and groups heads itself.
+    k = kc.index_select(1, meta.decode_blocks).view(kvh, nd, -1, hd).transpose(0, 1)
+    v = vc.index_select(1, meta.decode_blocks).view(kvh, nd, -1, hd).transpose(0, 1)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask,
+                                         scale=scale, enable_gqa=True)   # [nd, nh, 1, hd]
+    return out.reshape(nd, nh * hd)
 
 
 def _prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: KVCache,
