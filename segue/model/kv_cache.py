@@ -18,8 +18,11 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         host_shape = (num_layers, num_kv_heads, max(num_host_blocks, 0), block_size, head_dim)
         pin = device.type == "cuda"
-        self.host_k = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
-        self.host_v = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+        # Host blocks are only read after being written, so pages are left untouched until used
+        # (zeroing a large swap pool would cost seconds at start-up). Device blocks are zeroed:
+        # padded decode attention reads unwritten slots under a mask, and 0 * NaN is NaN.
+        self.host_k = torch.empty(host_shape, dtype=dtype, pin_memory=pin)
+        self.host_v = torch.empty(host_shape, dtype=dtype, pin_memory=pin)
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
