@@ -15,6 +15,10 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     # Preempted under memory pressure; waits again and recomputes (or swaps in).
     PREEMPTED = "preempted"
+    # Paused by an interception (tool call, human turn); its KV has a Disposition meanwhile.
+    INTERCEPTED = "intercepted"
+    # The interception ended but part of the context is still on the host: waits for swap-in.
+    SWAPPED = "swapped"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
@@ -36,6 +40,24 @@ _FINISH_REASON = {
 }
 
 
+class Disposition(enum.Enum):
+    """Where a paused request's context lives while it waits (DESIGN.md, request lifecycle)."""
+    PRESERVE = "preserve"
+    SWAP = "swap"
+    DISCARD = "discard"
+
+
+@dataclass
+class Interception:
+    """One pause of a request: when it started, what it waits for, and what comes back."""
+    t_call: float
+    tool: str | None = None
+    # Known duration (trace replay) or a predictor's estimate; None: estimate from elapsed time.
+    expected_duration: float | None = None
+    t_resume: float | None = None
+    disposition: Disposition = Disposition.PRESERVE
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -53,12 +75,21 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # Tokens whose KV is in the device cache (prompt and output alike).
     num_computed_tokens: int = 0
+    # High-water mark of num_computed_tokens: tokens below it that run again are recompute.
+    max_computed_tokens: int = 0
     # Tokens served from the prefix cache at first admission (reported to clients).
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     stop_reason: str | int | None = None
     # Hashes of the full blocks of all_token_ids, extended lazily by the KV manager.
     block_hashes: list[int] = field(default_factory=list)
+    # Tokens appended by interceptions (tool results) sit in output_token_ids among the generated
+    # ones; max_tokens counts generated tokens only.
+    num_appended_tokens: int = 0
+    interception: Interception | None = None
+    interceptions: list[Interception] = field(default_factory=list)
+    # Arrival time the scheduler orders by; `discard` resets it at each resume, others keep it.
+    sched_arrival_time: float = -1.0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -69,12 +100,25 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def num_generated_tokens(self) -> int:
+        return len(self.output_token_ids) - self.num_appended_tokens
+
+    @property
+    def intercepted_seconds(self) -> float:
+        """Time spent inside finished interceptions (excluded from normalized latency)."""
+        return sum(i.t_resume - i.t_call for i in self.interceptions if i.t_resume is not None)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def __post_init__(self) -> None:
+        if self.sched_arrival_time < 0:
+            self.sched_arrival_time = self.arrival_time
 
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_token_ids)

@@ -87,7 +87,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         table = self.tables.get(request.request_id)
-        if not table:
+        if not table or request.request_id in self.host_tables:
             return
         n_full = min(request.num_computed_tokens // self.block_size, len(table))
         start = self._num_registered.get(request.request_id, 0)
@@ -110,39 +110,64 @@ class KVCacheManager:
             self.host.free(host_table)
         self._num_registered.pop(rid, None)
 
-    # ---- swapping ------------------------------------------------------------------------
-    def can_swap_out(self, request: Request) -> bool:
-        return self.host is not None and len(self.tables.get(request.request_id, ())) <= self.host.num_free_blocks
+    # ---- swapping and discarding ---------------------------------------------------------
+    # A request's context is split as host blocks for block indices [0, k) and device blocks for
+    # [k, n). Swap-out moves the front device block to the end of the host part; swap-in moves
+    # the last host block to the front of the device part. Either can stop after any block, so
+    # a context moves in budgeted chunks across steps, and discarding the device part leaves a
+    # prefix on the host that swap-in restores before recompute continues after it.
+    def num_device_blocks_of(self, request_id: str) -> int:
+        return len(self.tables.get(request_id, ()))
 
-    def swap_out(self, request: Request) -> list[tuple[int, int]]:
-        """Move a request's device blocks to host blocks; returns (device_id, host_id) copies."""
-        assert self.host is not None, "swap needs a host block pool"
+    def num_host_blocks_of(self, request_id: str) -> int:
+        return len(self.host_tables.get(request_id, ()))
+
+    def swap_out_blocks(self, request: Request, max_blocks: int) -> list[tuple[int, int]]:
+        """Move up to max_blocks of the request's device blocks to the host; (device, host) copies."""
+        if self.host is None or max_blocks <= 0:
+            return []
         rid = request.request_id
-        table = self.tables.pop(rid, [])
-        host_blocks = self.host.allocate(len(table))
-        self.host_tables[rid] = host_blocks
-        mapping = [(d.block_id, h.block_id) for d, h in zip(table, host_blocks)]
-        self.device.free(list(reversed(table)))
+        table = self.tables.get(rid, [])
+        n = min(max_blocks, len(table), self.host.num_free_blocks)
+        if n == 0:
+            return []
+        moving, self.tables[rid] = table[:n], table[n:]
+        host_blocks = self.host.allocate(n)
+        self.host_tables.setdefault(rid, []).extend(host_blocks)
+        self.device.free(list(reversed(moving)))
         self._num_registered.pop(rid, None)
-        return mapping
+        return [(d.block_id, h.block_id) for d, h in zip(moving, host_blocks)]
 
-    def can_swap_in(self, request: Request) -> bool:
-        return len(self.host_tables.get(request.request_id, ())) <= self.device.num_free_blocks
-
-    def swap_in(self, request: Request) -> list[tuple[int, int]]:
-        """Bring a swapped request back; returns (host_id, device_id) copies."""
-        assert self.host is not None
+    def swap_in_blocks(self, request: Request, max_blocks: int) -> list[tuple[int, int]]:
+        """Bring up to max_blocks host blocks back to the device; (host, device) copies."""
         rid = request.request_id
-        host_blocks = self.host_tables.pop(rid, [])
-        device_blocks = self.device.allocate(len(host_blocks))
-        self.tables[rid] = device_blocks
-        mapping = [(h.block_id, d.block_id) for h, d in zip(host_blocks, device_blocks)]
-        self.host.free(host_blocks)
-        return mapping
+        host_table = self.host_tables.get(rid, [])
+        n = min(max_blocks, len(host_table), self.device.num_free_blocks)
+        if n <= 0 or self.host is None:
+            return []
+        moving = host_table[len(host_table) - n:]
+        del host_table[len(host_table) - n:]
+        if not host_table:
+            del self.host_tables[rid]
+        device_blocks = self.device.allocate(n)
+        self.tables[rid] = device_blocks + self.tables.get(rid, [])
+        self.host.free(moving)
+        return [(h.block_id, d.block_id) for h, d in zip(moving, device_blocks)]
+
+    def discard_device_blocks(self, request: Request) -> None:
+        """Free the device part of a paused context; a host prefix, if any, is kept."""
+        table = self.tables.pop(request.request_id, None)
+        if table:
+            self.device.free(list(reversed(table)))
+        self._num_registered.pop(request.request_id, None)
+        request.num_computed_tokens = min(request.num_computed_tokens,
+                                          self.num_host_blocks_of(request.request_id) * self.block_size)
 
     # ---- checks --------------------------------------------------------------------------
     def check_invariants(self) -> None:
         refs = Counter(b.block_id for table in self.tables.values() for b in table)
+        for rid in self.host_tables:
+            assert self.host_tables[rid], f"request {rid} has an empty host table"
         for rid, table in self.tables.items():
             assert len({b.block_id for b in table}) == len(table), f"request {rid} holds a block twice"
         self.device.check_invariants(refs)

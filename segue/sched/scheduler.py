@@ -11,7 +11,10 @@ from dataclasses import dataclass
 from segue.config import SchedulerConfig
 from segue.kv.manager import KVCacheManager
 from segue.request import Request, RequestStatus
+from segue.sched.cost_model import CostModel
+from segue.sched.interception import InterceptionPolicy, make_interception_policy
 from segue.sched.output import ScheduledSeq, SchedulerOutput
+from segue.sched.paused import PausedRequests
 from segue.sched.policies import SchedulingPolicy
 
 
@@ -27,11 +30,17 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: SchedulingPolicy,
-                 max_model_len: int) -> None:
+                 max_model_len: int, interception: InterceptionPolicy | None = None,
+                 cost: CostModel | None = None) -> None:
         self.config = config
         self.kv = kv
         self.policy = policy
         self.max_model_len = max_model_len
+        self.cost = cost or CostModel()
+        self.paused = PausedRequests(kv, interception or make_interception_policy("preserve"), self.cost)
+        self.last_batch_tokens = 0
+        # Tokens computed a second time (after a discard or a preemption), for waste accounting.
+        self.last_step_recompute_tokens = 0
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -57,6 +66,7 @@ class Scheduler:
             self.running.remove(request)
         if request in self.waiting:
             self.waiting.remove(request)
+        self.paused.remove(request)
         request.status = status
         self.kv.free(request)
         self.policy.on_finished(request, 0.0)
@@ -66,6 +76,17 @@ class Scheduler:
         if request is not None:
             self.finish_request(request, RequestStatus.FINISHED_ABORTED)
         return request
+
+    def intercept_request(self, request: Request, now: float, tool: str | None = None,
+                          expected_s: float | None = None) -> None:
+        """Pause a running request (it just produced the token that triggered the interception)."""
+        assert request.status == RequestStatus.RUNNING, f"cannot intercept a {request.status} request"
+        self.running.remove(request)
+        self.paused.intercept(request, now, tool, expected_s)
+
+    def resume_request(self, request: Request, tokens: list[int], now: float) -> None:
+        if self.paused.resume(request, tokens, now):
+            self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -85,6 +106,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         key = lambda r: self.policy.key(r, now)  # noqa: E731
+        running_tokens = sum(r.num_computed_tokens for r in self.running)
+        plan = self.paused.plan(now, running_tokens, len(self.running), self.last_batch_tokens)
+        out.blocks_to_swap_out, out.blocks_to_swap_in = plan.swap_out, plan.swap_in
+        self.waiting.extend(plan.ready)
         self.running.sort(key=key)
         scheduled: list[tuple[Request, int]] = []
 
@@ -93,6 +118,8 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
+                if self.paused.release_for_memory(self.kv.num_blocks_needed(req, num_new)):
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -114,7 +141,9 @@ class Scheduler:
                     hits, num_hit = self.kv.get_computed_blocks(req)
                 num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
                 if not self.kv.allocate_slots(req, num_new, hits):
-                    break  # head-of-line: the policy's order decides who gets memory first
+                    need = self.kv.num_blocks_needed(req, num_new) - len(hits)
+                    if not (self.paused.release_for_memory(need) and self.kv.allocate_slots(req, num_new, hits)):
+                        break  # head-of-line: the policy's order decides who gets memory first
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
                     self.prefix_hit_tokens += num_hit
@@ -129,6 +158,7 @@ class Scheduler:
                 admitted_ids = {id(r) for r in admitted}
                 self.waiting = [r for r in self.waiting if id(r) not in admitted_ids]
 
+        self.last_batch_tokens = sum(n for _, n in scheduled)
         for req, num_new in scheduled:
             start = req.num_computed_tokens
             out.seqs.append(ScheduledSeq(
@@ -146,11 +176,15 @@ class Scheduler:
         condition the scheduler can see (EOS, stop token ids, max_tokens, context length).
         Returns the requests that received a token this step."""
         got_token = []
+        self.last_step_recompute_tokens = 0
         for seq in out.seqs:
             req = seq.request
             if req.is_finished:
                 continue
+            self.last_step_recompute_tokens += max(0, min(req.max_computed_tokens, seq.start_pos + seq.num_tokens)
+                                                   - seq.start_pos)
             req.num_computed_tokens += seq.num_tokens
+            req.max_computed_tokens = max(req.max_computed_tokens, req.num_computed_tokens)
             self.kv.cache_full_blocks(req)
             if not seq.sample:
                 continue
@@ -170,7 +204,7 @@ class Scheduler:
         if token in params.stop_token_ids:
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+        if req.num_generated_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -180,7 +214,8 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
-        ids = [r.request_id for r in self.running + self.waiting]
+        ids = [r.request_id for r in self.running + self.waiting + self.paused.swapped]
+        ids += list(self.paused.paused)
         assert len(ids) == len(set(ids)), "a request is queued twice"
         assert set(ids) == set(self.requests), "queues and the request table disagree"
         for rid in self.kv.tables:
@@ -190,4 +225,8 @@ class Scheduler:
             held = len(self.kv.tables.get(req.request_id, ()))
             assert held * self.kv.block_size >= req.num_computed_tokens, f"{req.request_id}: KV lost"
         for req in self.waiting:
-            assert req.request_id not in self.kv.tables or req.num_computed_tokens > 0
+            assert req.request_id not in self.kv.host_tables, f"{req.request_id} waits with KV on the host"
+        for rid, req in self.paused.paused.items():
+            assert req.status == RequestStatus.INTERCEPTED and req.interception is not None
+        for req in self.paused.swapped:
+            assert req.status == RequestStatus.SWAPPED and req.request_id in self.kv.host_tables

@@ -9,4 +9,4 @@ class FCFSPolicy(SchedulingPolicy):
     name = "fcfs"
 
     def key(self, request: Request, now: float) -> tuple[float, int]:
-        return (request.arrival_time, request.seq_no)
+        return (request.sched_arrival_time, request.seq_no)

@@ -1,0 +1,80 @@
+"""Measured costs the scheduler reasons with: iteration time T_fwd(tokens), the saturation point,
+swap bandwidth and KV bytes per token (InferCept §4). Pure Python, shared with the simulator."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class CostModel:
+    # T_fwd(tokens) = fwd_ms_per_token * tokens + fwd_base_ms (a linear fit of profiled steps).
+    fwd_ms_per_token: float = 0.45
+    fwd_base_ms: float = 30.0
+    # Tokens per step beyond which an iteration gets slower without getting more useful work done.
+    saturation_tokens: int = 256
+    # Host<->device copy bandwidth and the KV footprint of one token (all layers, K and V).
+    swap_bytes_per_s: float = 8e9
+    kv_bytes_per_token: int = 46080
+    device: str = "cpu"
+    source: str = "default"
+
+    def t_fwd(self, tokens: float) -> float:
+        """Seconds for an iteration that processes `tokens` tokens."""
+        return (self.fwd_ms_per_token * max(tokens, 0.0) + self.fwd_base_ms) / 1000.0
+
+    def t_fwd_extra(self, tokens: float) -> float:
+        """Added iteration time when `tokens` more tokens join a step that runs anyway."""
+        return self.fwd_ms_per_token * max(tokens, 0.0) / 1000.0
+
+    def t_swap(self, tokens: float) -> float:
+        return tokens * self.kv_bytes_per_token / self.swap_bytes_per_s
+
+    def swap_limit(self, batch_tokens: int) -> int:
+        """Tokens whose copy hides behind one iteration of `batch_tokens` (T_swap(N) = T_fwd(B))."""
+        return int(self.t_fwd(batch_tokens) * self.swap_bytes_per_s / self.kv_bytes_per_token)
+
+    # ---- waste equations (InferCept eqs. 2 and 4), in byte-seconds -----------------------
+    def waste_preserve(self, duration_s: float, context_tokens: int) -> float:
+        return duration_s * context_tokens * self.kv_bytes_per_token
+
+    def waste_chunked_discard(self, context_tokens: int, other_tokens: int, running_tokens: int) -> float:
+        """Recompute the context in chunks of (saturation - running) tokens, one per iteration."""
+        m = self.kv_bytes_per_token
+        chunk = max(1, self.saturation_tokens - running_tokens)
+        n = max(1, math.ceil(context_tokens / chunk))
+        own = self.t_fwd_extra(context_tokens) * context_tokens * m / 2
+        others = n * self.t_fwd_extra(context_tokens / n) * other_tokens * m
+        return own + others
+
+    # ---- persistence ---------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        data = json.loads(Path(path).read_text())
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def _preset(ms_per_token: float, base_ms: float, saturation: int, tokens_swapped_per_step: int,
+            layers: int, hidden: int, device: str) -> CostModel:
+    """A paper setup: the bandwidth is derived from the tokens it swaps during one saturated step."""
+    kv = 2 * layers * hidden * 2  # fp16 K and V
+    step_s = (ms_per_token * saturation + base_ms) / 1000.0
+    return CostModel(ms_per_token, base_ms, saturation, tokens_swapped_per_step * kv / step_s, kv, device, "preset")
+
+
+# InferCept §5 setups, used by the simulator and for what-if runs.
+PRESETS: dict[str, CostModel] = {
+    "gptj-6b-a100": _preset(0.0463, 10.0, 384, 606, layers=28, hidden=4096, device="A100"),
+    "vicuna-13b-2xa100": _preset(0.0279, 15.4, 384, 319, layers=40, hidden=5120, device="2xA100"),
+}
+
+
+def default_profile_path(device: str) -> Path:
+    return Path.home() / ".cache" / "segue" / f"profile-{device}.json"

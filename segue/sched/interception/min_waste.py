@@ -1,0 +1,43 @@
+"""InferCept's min-waste interception (§4.3): each step, rank paused requests by the waste they
+would cause, give the swap-out budget to the largest, and preserve or discard the rest,
+whichever wastes less (eqs. 2, 4, 5). Durations come from the tool's history when known, else
+from the time paused so far, so a preserved request can later be swapped or discarded."""
+from __future__ import annotations
+
+from segue.request import Disposition
+from segue.sched.interception.base import (Decision, InterceptionPolicy, PausedRequest, StepState,
+                                          estimated_duration)
+
+
+def waste_preserve(p: PausedRequest, state: StepState) -> float:
+    return state.cost.waste_preserve(estimated_duration(p), p.device_tokens)
+
+
+def waste_discard(p: PausedRequest, state: StepState) -> float:
+    return state.cost.waste_chunked_discard(p.device_tokens, state.running_tokens, state.num_running)
+
+
+class MinWastePolicy(InterceptionPolicy):
+    name = "min-waste"
+
+    def decide(self, paused: list[PausedRequest], state: StepState) -> dict[str, Decision]:
+        scored = []
+        for p in paused:
+            wp, wd = waste_preserve(p, state), waste_discard(p, state)
+            scored.append((min(wp, wd), wp, wd, p))
+        scored.sort(key=lambda s: s[0], reverse=True)
+        budget = state.swap_out_budget
+        decisions: dict[str, Decision] = {}
+        for _, wp, wd, p in scored:
+            if budget > 0:
+                take = min(budget, p.device_tokens)
+                budget -= take
+                decisions[p.request.request_id] = Decision(Disposition.SWAP, take)
+                if take == p.device_tokens:
+                    continue
+            # What the swap budget could not cover is preserved or discarded by eq. 5.
+            if wd < wp:
+                decisions[p.request.request_id] = Decision(Disposition.DISCARD)
+            elif p.request.request_id not in decisions:
+                decisions[p.request.request_id] = Decision(Disposition.PRESERVE)
+        return decisions

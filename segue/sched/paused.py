@@ -1,0 +1,121 @@
+"""Paused (intercepted) requests: applying dispositions each step, budgeted chunked swapping,
+and resumption (InferCept §4). Owned by the Scheduler; pure Python."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from segue.kv.manager import KVCacheManager
+from segue.request import Disposition, Interception, Request, RequestStatus
+from segue.sched.cost_model import CostModel
+from segue.sched.interception import InterceptionPolicy, PausedRequest, StepState
+
+
+@dataclass
+class SwapPlan:
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
+    ready: list[Request] = field(default_factory=list)             # fully back on the device
+
+
+class PausedRequests:
+    def __init__(self, kv: KVCacheManager, policy: InterceptionPolicy, cost: CostModel) -> None:
+        self.kv = kv
+        self.policy = policy
+        self.cost = cost
+        self.paused: dict[str, Request] = {}
+        # Resumed requests whose context is partly on the host, in swap-in order.
+        self.swapped: list[Request] = []
+
+    def intercept(self, req: Request, now: float, tool: str | None, expected_s: float | None) -> None:
+        req.status = RequestStatus.INTERCEPTED
+        req.interception = Interception(t_call=now, tool=tool, expected_duration=expected_s)
+        req.interceptions.append(req.interception)
+        self.paused[req.request_id] = req
+
+    def resume(self, req: Request, tokens: list[int], now: float) -> bool:
+        """The interception ended; `tokens` (the tool result) join the context. Returns True when
+        the request can queue for compute now, False when it must first swap in."""
+        del self.paused[req.request_id]
+        req.interception.t_resume = now
+        req.interception = None
+        req.output_token_ids.extend(tokens)
+        req.num_appended_tokens += len(tokens)
+        if not self.policy.keeps_arrival_time:
+            req.sched_arrival_time = now
+        if self.kv.num_host_blocks_of(req.request_id):
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+            self.swapped.sort(key=lambda r: (r.sched_arrival_time, r.seq_no))
+            return False
+        req.status = RequestStatus.WAITING
+        return True
+
+    def remove(self, req: Request) -> None:
+        self.paused.pop(req.request_id, None)
+        if req in self.swapped:
+            self.swapped.remove(req)
+
+    def device_tokens(self, req: Request) -> int:
+        held = self.kv.num_device_blocks_of(req.request_id) * self.kv.block_size
+        host = self.kv.num_host_blocks_of(req.request_id) * self.kv.block_size
+        return max(0, min(held, req.num_computed_tokens - host))
+
+    def held_device_blocks(self) -> int:
+        return sum(self.kv.num_device_blocks_of(rid) for rid in self.paused)
+
+    def plan(self, now: float, running_tokens: int, num_running: int, batch_tokens: int) -> SwapPlan:
+        """Spend this step's swap limit: swap-in for resumed requests first (FCFS; they are ready
+        to run), the rest as the swap-out budget the policy hands to paused requests."""
+        plan = SwapPlan()
+        bs = self.kv.block_size
+        limit_blocks = max(1, self.cost.swap_limit(batch_tokens) // bs)
+        for req in list(self.swapped):
+            if limit_blocks <= 0:
+                break
+            moved = self.kv.swap_in_blocks(req, limit_blocks)
+            plan.swap_in += moved
+            limit_blocks -= len(moved)
+            if not self.kv.num_host_blocks_of(req.request_id):
+                self.swapped.remove(req)
+                req.status = RequestStatus.WAITING
+                plan.ready.append(req)
+            elif not moved:
+                break  # no free device blocks: later requests would not fit either
+        views = []
+        for req in self.paused.values():
+            dev = self.device_tokens(req)
+            if dev <= 0 and not self.kv.num_device_blocks_of(req.request_id):
+                continue
+            elapsed = now - req.interception.t_call
+            views.append(PausedRequest(req, dev, self.kv.num_host_blocks_of(req.request_id) * bs,
+                                       elapsed, req.interception.expected_duration))
+        if not views:
+            return plan
+        # The swap-out limit applies to budgeted policies; `swap` asks for everything and the
+        # copies past the free limit stall the step (accounted as swap waste).
+        state = StepState(now, running_tokens, num_running, limit_blocks * bs, self.cost)
+        for rid, decision in self.policy.decide(views, state).items():
+            req = self.paused[rid]
+            req.interception.disposition = decision.disposition
+            if decision.disposition is Disposition.SWAP and decision.swap_out_tokens > 0:
+                plan.swap_out += self.kv.swap_out_blocks(req, -(-decision.swap_out_tokens // bs))
+            elif decision.disposition is Disposition.DISCARD:
+                self.kv.discard_device_blocks(req)
+        return plan
+
+    def release_for_memory(self, blocks_needed: int) -> int:
+        """Under memory pressure, discard preserved contexts (largest first) before preempting
+        running requests: a paused request makes no progress with its memory. Returns blocks freed."""
+        freed = 0
+        victims = sorted(self.paused.values(), key=lambda r: self.kv.num_device_blocks_of(r.request_id),
+                         reverse=True)
+        for req in victims:
+            if freed >= blocks_needed:
+                break
+            n = self.kv.num_device_blocks_of(req.request_id)
+            if n:
+                before = self.kv.num_free_blocks
+                self.kv.discard_device_blocks(req)
+                req.interception.disposition = Disposition.DISCARD
+                freed += self.kv.num_free_blocks - before
+        return freed

@@ -1,0 +1,118 @@
+"""Interceptions in the pure scheduler: random pauses and resumes under every policy, with a fake
+executor that tracks the token held in every KV slot so that swaps, discards and prefix hits are
+checked for content, not just bookkeeping."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from segue.config import SchedulerConfig
+from segue.kv.manager import KVCacheManager
+from segue.request import Request, RequestStatus
+from segue.sampling_params import SamplingParams
+from segue.sched.cost_model import CostModel
+from segue.sched.interception import INTERCEPTION_POLICIES, make_interception_policy
+from segue.sched.policies import make_policy
+from segue.sched.scheduler import Scheduler
+
+VOCAB = 50
+
+
+class FakeKVExecutor:
+    """Stores, per physical slot, the token whose KV it holds; checks every read."""
+
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.device: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+
+    def execute(self, out) -> dict[str, int]:
+        for d, h in out.blocks_to_swap_out:
+            self.host[h] = list(self.device.get(d, [None] * self.bs))
+        for h, d in out.blocks_to_swap_in:
+            self.device[d] = list(self.host[h])
+        sampled = {}
+        for seq in out.seqs:
+            req = seq.request
+            for pos in range(seq.start_pos):  # the context this step attends to
+                block = self.device.get(seq.block_table[pos // self.bs])
+                assert block is not None and block[pos % self.bs] == req.token_at(pos), (
+                    f"{req.request_id}: KV at position {pos} is wrong")
+            for j, tok in enumerate(seq.token_ids):
+                pos = seq.start_pos + j
+                self.device.setdefault(seq.block_table[pos // self.bs], [None] * self.bs)[pos % self.bs] = tok
+            if seq.sample:
+                sampled[req.request_id] = (sum(req.all_token_ids) * 31 + req.num_tokens) % VOCAB
+        return sampled
+
+
+def tool_tokens(req: Request, k: int) -> list[int]:
+    return [(len(req.prompt_token_ids) * 7 + k + i) % VOCAB for i in range(1 + k % 3)]
+
+
+def expected_output(prompt, max_tokens, pause_at) -> list[int]:
+    req = Request("ref", list(prompt), SamplingParams(max_tokens=max_tokens), 0.0)
+    k = 0
+    while req.num_generated_tokens < max_tokens:
+        req.output_token_ids.append((sum(req.all_token_ids) * 31 + req.num_tokens) % VOCAB)
+        if req.num_generated_tokens in pause_at and req.num_generated_tokens < max_tokens:
+            toks = tool_tokens(req, k)
+            req.output_token_ids += toks
+            req.num_appended_tokens += len(toks)
+            k += 1
+    return req.output_token_ids
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), policy=st.sampled_from(sorted(INTERCEPTION_POLICIES)),
+       num_blocks=st.integers(12, 40), host_blocks=st.integers(0, 40), caching=st.booleans())
+def test_random_pauses_and_resumes_keep_kv_correct(seed, policy, num_blocks, host_blocks, caching):
+    rng = random.Random(seed)
+    bs = 4
+    kv = KVCacheManager(bs, num_blocks, host_blocks, enable_prefix_caching=caching)
+    cost = CostModel(fwd_ms_per_token=1.0, fwd_base_ms=5.0, saturation_tokens=16,
+                     swap_bytes_per_s=rng.choice([1e3, 1e5, 1e9]), kv_bytes_per_token=100)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=rng.randrange(4, 40), max_num_seqs=6), kv,
+                      make_policy("fcfs"), max_model_len=num_blocks * bs // 2,
+                      interception=make_interception_policy(policy), cost=cost)
+    ex = FakeKVExecutor(bs)
+    reqs, plans = [], {}
+    for i in range(rng.randrange(1, 8)):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 10))]
+        max_tokens = rng.randrange(2, 8)
+        pause_at = set(rng.sample(range(1, max_tokens), k=min(2, max_tokens - 1)))
+        if len(prompt) + max_tokens + 6 > sched.max_model_len:
+            continue
+        req = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), float(i))
+        reqs.append(req)
+        plans[req.request_id] = pause_at
+        sched.add_request(req)
+    pending_resume: list[tuple[float, Request, list[int]]] = []
+    pauses_done = {r.request_id: 0 for r in reqs}
+    now = 0.0
+    for _ in range(3000):
+        if not sched.has_unfinished_requests():
+            break
+        now += 0.01
+        for item in [p for p in pending_resume if p[0] <= now]:
+            pending_resume.remove(item)
+            sched.resume_request(item[1], item[2], now)
+        out = sched.schedule(now)
+        sampled = ex.execute(out)
+        got = sched.update_from_output(out, sampled)
+        for req in got:
+            if req.is_finished or req.num_generated_tokens not in plans[req.request_id]:
+                continue
+            k = pauses_done[req.request_id]
+            pauses_done[req.request_id] += 1
+            sched.intercept_request(req, now, tool="t", expected_s=rng.choice([None, 0.05]))
+            pending_resume.append((now + rng.choice([0.0, 0.02, 0.2]), req, tool_tokens(req, k)))
+        sched.check_invariants()
+    assert not sched.has_unfinished_requests(), "requests left unfinished"
+    assert kv.num_held_blocks() == 0 and not kv.host_tables
+    for req in reqs:
+        assert req.status == RequestStatus.FINISHED_LENGTH
+        assert req.output_token_ids == expected_output(req.prompt_token_ids, req.sampling_params.max_tokens,
+                                                       plans[req.request_id])
