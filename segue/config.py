@@ -38,6 +38,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     policy: str = "fcfs"
+    # What a paused request's KV does while it waits: discard, improved-discard, preserve, swap,
+    # ttl or min-waste (see segue/sched/interception).
+    interception_policy: str = "min-waste"
+    # A `segue profile` JSON with measured T_fwd and swap bandwidth; None: the device's cached
+    # profile if one exists, else defaults.
+    profile_path: str | None = None
     # None: the model's context window, capped by what the device pool can hold.
     max_model_len: int | None = None
 

@@ -14,8 +14,13 @@ from segue.kv.manager import KVCacheManager
 from segue.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from segue.request import Request, RequestStatus
 from segue.sampling_params import InvalidRequestError, SamplingParams
+from segue.sched.cost_model import CostModel, default_profile_path
+from segue.sched.interception import make_interception_policy
 from segue.sched.policies import make_policy
 from segue.sched.scheduler import Scheduler
+from segue.sched.waste import WasteMeter
+from segue.tools.stats import DurationStats
+from segue.trace import TraceReplayer, TraceSegment
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +32,8 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = field(default=None)
+    # Text of the generated segments before the last interception (tool results excluded).
+    text_before: str = ""
 
 
 class LLMEngine:
@@ -49,10 +56,33 @@ class LLMEngine:
                                  model_config.max_position_embeddings, pool_tokens)
         kv = KVCacheManager(executor.block_size, executor.num_device_blocks, executor.num_host_blocks,
                             config.cache.enable_prefix_caching, config.cache.prefix_cache_salt)
+        self.cost_model = self._load_cost_model(config, executor)
+        self.tool_stats = DurationStats()
+        interception = make_interception_policy(config.scheduler.interception_policy)
+        if hasattr(interception, "quantile_fn"):
+            interception.quantile_fn = lambda tool, q: self.tool_stats.quantile(tool, q) if tool else None
         self.scheduler = Scheduler(config.scheduler, kv, make_policy(config.scheduler.policy),
-                                   self.max_model_len)
+                                   self.max_model_len, interception, self.cost_model)
+        self.waste = WasteMeter(self.cost_model.kv_bytes_per_token, executor.block_size)
+        self.trace = TraceReplayer()
+        self.clock = time.monotonic
         self._states: dict[str, RequestState] = {}
         self.num_steps = 0
+
+    @staticmethod
+    def _load_cost_model(config: EngineConfig, executor: Executor) -> CostModel:
+        device = getattr(executor, "device_name", "cpu")
+        path = config.scheduler.profile_path or default_profile_path(device)
+        try:
+            cost = CostModel.load(path)
+        except FileNotFoundError:
+            if config.scheduler.profile_path:
+                raise
+            cost = CostModel(device=device)
+        kv_bytes = getattr(executor, "kv_bytes_per_token", None)
+        if kv_bytes:
+            cost.kv_bytes_per_token = kv_bytes
+        return cost
 
     @staticmethod
     def _load(config: EngineConfig):
@@ -117,14 +147,49 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0,
-                    program_id: str | None = None) -> Request:
-        return self.add_prepared(self.make_request(request_id, prompt, params, arrival_time, priority, program_id))
+                    program_id: str | None = None, script: list[TraceSegment] | None = None) -> Request:
+        """`script` replays a trace: the request generates, pauses and resumes as it says
+        (max_tokens becomes the script's total and EOS is ignored)."""
+        if script is not None:
+            total = sum(seg.generate_tokens for seg in script)
+            params = SamplingParams(**{**params.__dict__, "max_tokens": total, "ignore_eos": True})
+        state = self.make_request(request_id, prompt, params, arrival_time, priority, program_id)
+        if script is not None:
+            self.trace.add(state.request.request_id, script)
+        return self.add_prepared(state)
+
+    # ---- interceptions -------------------------------------------------------------------
+    def intercept(self, request_id: str, tool: str | None = None, expected_s: float | None = None) -> None:
+        """Pause a request that just produced a token (a tool call, a human turn)."""
+        req = self._states[request_id].request
+        if expected_s is None and tool is not None:
+            expected_s = self.tool_stats.expected(tool)
+        self.scheduler.intercept_request(req, self.clock(), tool, expected_s)
+
+    def resume(self, request_id: str, tokens: list[int]) -> None:
+        """End a request's interception; `tokens` (the tool result, a user turn) join its context."""
+        state = self._states.get(request_id)
+        if state is None or state.request.interception is None:
+            raise InvalidRequestError(f"request {request_id!r} is not paused")
+        req = state.request
+        if req.num_tokens + len(tokens) >= self.max_model_len:
+            raise InvalidRequestError(f"resuming {request_id!r} would exceed the context window")
+        if req.interception.tool is not None:
+            self.tool_stats.observe(req.interception.tool, self.clock() - req.interception.t_call)
+        state.text_before += state.detokenizer.flush()
+        self.scheduler.resume_request(req, list(tokens), self.clock())
+        state.detokenizer = IncrementalDetokenizer(self.tokenizer, req.all_token_ids, req.sampling_params)
+
+    def next_timer(self) -> float | None:
+        """When the next scripted interception ends (lets an idle loop sleep until then)."""
+        return self.trace.next_due()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         state = self._states.pop(request_id, None)
         if state is None:
             return None
         self.scheduler.abort_request(request_id)
+        self.trace.remove(request_id)
         state.metrics.finished_time = time.monotonic()
         return self._make_output(state)
 
@@ -137,7 +202,10 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        now = time.monotonic()
+        now = self.clock()
+        for rid, tokens in self.trace.pop_due(now):
+            if rid in self._states:
+                self.resume(rid, tokens)
         out = self.scheduler.schedule(now)
         if out.is_empty:
             return []
@@ -146,14 +214,17 @@ class LLMEngine:
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
         try:
+            t0 = self.clock()
             sampled = self.executor.execute(out)
+            step_s = self.clock() - t0
         except Exception:
             # A failing batch must not take the engine down: fail its requests, keep serving.
             logger.exception("executor failed; aborting the %d requests in this batch", len(out.seqs))
             return [o for o in (self.abort_request(s.request.request_id) for s in out.seqs) if o]
         self.num_steps += 1
         got_token = self.scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
-        now = time.monotonic()
+        self._record_waste(out, step_s)
+        now = self.clock()
         outputs = []
         for req in got_token:
             state = self._states[req.request_id]
@@ -172,6 +243,12 @@ class LLMEngine:
             if req.is_finished:
                 state.metrics.finished_time = now
                 del self._states[req.request_id]
+                self.trace.remove(req.request_id)
+            else:
+                seg = self.trace.pause_due(req.request_id, req.num_generated_tokens)
+                if seg is not None:
+                    self.intercept(req.request_id, seg.kind)
+                    self.trace.schedule_resume(req.request_id, now + seg.interception_s)
             outputs.append(self._make_output(state))
         for req in out.preempted:
             if req.request_id in self._states:
@@ -181,11 +258,18 @@ class LLMEngine:
     def _make_output(self, state: RequestState) -> RequestOutput:
         req = state.request
         finished = req.is_finished
-        text = state.detokenizer.flush() if finished else state.detokenizer.text
+        text = state.text_before + (state.detokenizer.flush() if finished else state.detokenizer.text)
         completion = CompletionOutput(0, text, list(req.output_token_ids), req.status.finish_reason,
                                       req.stop_reason, list(state.logprobs) if state.logprobs is not None else None)
         return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, [completion], finished,
                              state.metrics, max(req.num_cached_tokens, 0))
+
+    def _record_waste(self, out, step_s: float) -> None:
+        kv = self.scheduler.kv
+        running_blocks = sum(kv.num_device_blocks_of(s.request.request_id) for s in out.seqs)
+        self.waste.record_step(step_s, self.scheduler.paused.held_device_blocks(), running_blocks,
+                               self.scheduler.last_step_recompute_tokens, out.num_batched_tokens,
+                               getattr(self.executor, "last_swap_seconds", 0.0))
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

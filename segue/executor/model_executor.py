@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -49,6 +50,10 @@ class ModelExecutor(Executor):
         else:
             self.num_device_blocks = cache.kv_cache_tokens // cache.block_size
         self.num_host_blocks = cache.swap_space_tokens // cache.block_size
+        self.kv_bytes_per_token = block_bytes // cache.block_size
+        self.device_name = torch.cuda.get_device_name(device).replace(" ", "-") if device.type == "cuda" else "cpu"
+        # Seconds the last step spent copying KV between host and device (swap-stall waste).
+        self.last_swap_seconds = 0.0
         self.kv_cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache.block_size,
                                 self.num_device_blocks, self.num_host_blocks, device, dtype)
         self.decode_kernel = None
@@ -104,8 +109,10 @@ class ModelExecutor(Executor):
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        t0 = time.perf_counter()
         self.kv_cache.swap_out(out.blocks_to_swap_out)
         self.kv_cache.swap_in(out.blocks_to_swap_in)
+        self.last_swap_seconds = time.perf_counter() - t0 if (out.blocks_to_swap_out or out.blocks_to_swap_in) else 0.0
         if not out.seqs:
             return {}
         # Decodes first: the attention kernel takes them as one contiguous batch.
