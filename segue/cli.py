@@ -1,4 +1,4 @@
-"""The `segue` command: serve | generate | bench."""
+"""The `segue` command: serve | generate | profile | bench."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--policy", default=SchedulerConfig.policy, help="scheduling policy name")
+    g.add_argument("--interception-policy", default=SchedulerConfig.interception_policy,
+                   help="discard, improved-discard, preserve, swap, ttl or min-waste")
+    g.add_argument("--profile", dest="profile_path", default=None, help="a `segue profile` JSON")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
 
@@ -37,7 +40,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                  policy=args.policy),
+                                  policy=args.policy, interception_policy=args.interception_policy,
+                                  profile_path=args.profile_path),
         num_threads=args.threads,
     ).validate()
 
@@ -75,6 +79,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(engine_config_from_args(args), args)
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from segue.engine import LLMEngine
+    from segue.executor.profiler import profile
+    from segue.sched.cost_model import default_profile_path
+
+    config = engine_config_from_args(args)
+    config.scheduler.max_num_batched_tokens = max(config.scheduler.max_num_batched_tokens, 1024)
+    engine = LLMEngine(config)
+    cost, points = profile(engine, repeats=args.repeats)
+    path = args.output or default_profile_path(cost.device)
+    cost.save(path)
+    print("| tokens | T_fwd (ms) |\n|---:|---:|")
+    for tokens, seconds in points:
+        print(f"| {tokens} | {seconds * 1000:.1f} |")
+    print(f"\nT_fwd(t) = {cost.fwd_ms_per_token:.4f} ms * t + {cost.fwd_base_ms:.1f} ms; "
+          f"saturation point {cost.saturation_tokens} tokens; swap {cost.swap_bytes_per_s / 1e9:.2f} GB/s; "
+          f"{cost.kv_bytes_per_token} KV bytes/token\nwrote {path}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from segue.bench import run_bench
 
@@ -101,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="accepted API key (repeatable; also SEGUE_API_KEYS, comma separated)")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    prof = sub.add_parser("profile", help="measure T_fwd, the saturation point and swap bandwidth")
+    prof.add_argument("--output", default=None, help="profile JSON (default: ~/.cache/segue/profile-<device>.json)")
+    prof.add_argument("--repeats", type=int, default=3)
+    add_engine_args(prof)
+    prof.set_defaults(func=cmd_profile)
 
     bench = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
     from segue.bench import add_bench_subparsers
