@@ -21,11 +21,12 @@ from segue.bench.metrics import RequestRecord, summarize
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--num-requests", type=int, default=64)
-    g.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per request")
-    g.add_argument("--output-len", type=int, default=128, help="generated tokens per request (EOS ignored)")
+    g.add_argument("--num-requests", type=int, default=64, help="requests, all added at once (default: 64)")
+    g.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per request (default: 256)")
+    g.add_argument("--output-len", type=int, default=128,
+                   help="generated tokens per request, EOS ignored (default: 128)")
     g.add_argument("--seed", type=int, default=0, help="seed for the random prompt token ids")
-    g.add_argument("--hf-batch-size", type=int, default=32, help="rows per transformers generate() call")
+    g.add_argument("--hf-batch-size", type=int, default=32, help="rows per transformers generate() call (default: 32)")
     g.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     g.add_argument("--skip-single", action="store_true", help="skip the single-request decode run")
     g.add_argument("--output-json", default=None, metavar="PATH", help="write all results here")
@@ -249,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
             "python": platform.python_version(),
         },
         "workload": {"num_requests": n, "prompt_len": p_len, "output_len": o_len, "seed": args.seed},
-        "single": None, "hf": None, "ratio_vs_hf": None,
+        "segue": None, "single": None, "hf": None, "ratio_vs_hf": None,
     }
     run_segue_single(engine, warmup_prompt, 2)  # one-off costs (kernel load, allocator) stay out of the timing
     results["segue"] = run_segue_batch(engine, prompts, o_len)
