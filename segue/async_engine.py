@@ -15,7 +15,7 @@ from typing import AsyncIterator, Callable
 from segue.config import EngineConfig
 from segue.engine import LLMEngine
 from segue.outputs import RequestOutput
-from segue.sampling_params import SamplingParams
+from segue.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,9 @@ class AsyncLLMEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        # Set by shutdown() at once, so no new request can slip in while the loop winds down.
+        self._closing = False
+        self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="segue-engine", daemon=True)
         self._thread.start()
 
@@ -43,14 +46,22 @@ class AsyncLLMEngine:
                        request_id: str | None = None, **hints) -> AsyncIterator[RequestOutput]:
         """Yields the cumulative output after every new token; the last one has finished=True.
         Leaving the iterator early (client disconnect, cancellation) aborts the request."""
-        if self._stopped:
-            raise EngineDeadError("the engine is shut down")
+        self._check_alive()
         loop = asyncio.get_running_loop()
         state = await loop.run_in_executor(None, lambda: self.engine.make_request(request_id, prompt, params, **hints))
+        self._check_alive()
         rid = state.request.request_id
+        if rid in self._streams:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (loop, queue)
-        self._submit(lambda: self.engine.add_prepared(state))
+
+        def add() -> None:
+            try:
+                self.engine.add_prepared(state)
+            except Exception as e:  # reaches this request's caller only
+                self._deliver(e, rid)
+        self._submit(add)
         finished = False
         try:
             while True:
@@ -68,8 +79,19 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self._deliver(self.engine.abort_request(request_id)))
 
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop died: {self._dead!r}")
+        if self._closing or self._stopped:
+            raise EngineDeadError("the engine is shut down")
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None and not self._closing
+
     async def shutdown(self, drain_timeout: float = 0.0) -> None:
         """Stop the loop; requests still running after `drain_timeout` seconds are aborted."""
+        self._closing = True
         deadline = asyncio.get_running_loop().time() + drain_timeout
         while self._streams and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
@@ -84,6 +106,7 @@ class AsyncLLMEngine:
 
     def run_sync(self, fn: Callable[[LLMEngine], object]) -> "asyncio.Future":
         """Run fn(engine) on the loop thread between steps (for stats and invariant checks)."""
+        self._check_alive()
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -118,14 +141,30 @@ class AsyncLLMEngine:
         loop.call_soon_threadsafe(queue.put_nowait, output)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # a bug in the loop itself: fail everyone loudly, never hang
+            logger.exception("engine loop died")
+            self._dead = e
+        finally:
+            error = EngineDeadError("the engine stopped") if self._dead is None else EngineDeadError(repr(self._dead))
+            for rid in list(self._streams):
+                self._deliver(error, rid)
+            # Pending run_sync callers and adds are answered too, instead of waiting forever.
+            while self._ops:
+                try:
+                    self._ops.popleft()()
+                except Exception:
+                    logger.exception("operation failed during engine shutdown")
+
+    def _loop(self) -> None:
         while not self._stopped:
             while self._ops:
                 op = self._ops.popleft()
                 try:
                     op()
-                except Exception as e:
+                except Exception:
                     logger.exception("engine operation failed")
-                    self._fail_orphans(e)
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
@@ -140,9 +179,9 @@ class AsyncLLMEngine:
                 continue
             for out in outputs:
                 self._deliver(out)
-
-    def _fail_orphans(self, error: Exception) -> None:
-        """Streams whose request never reached the engine (e.g. a failed add) get the error."""
-        for rid in list(self._streams):
-            if rid not in self.engine.scheduler.requests:
-                self._deliver(error, rid)
+            if self.engine.last_step_idle:
+                # Everything is paused (tools, timers): sleep until an op or the next timer.
+                due = self.engine.next_timer()
+                timeout = 0.05 if due is None else max(0.0, min(0.05, due - self.engine.clock()))
+                self._wakeup.wait(timeout=timeout)
+                self._wakeup.clear()

@@ -68,6 +68,7 @@ class LLMEngine:
         self.clock = time.monotonic
         self._states: dict[str, RequestState] = {}
         self.num_steps = 0
+        self.last_step_idle = True
 
     @staticmethod
     def _load_cost_model(config: EngineConfig, executor: Executor) -> CostModel:
@@ -207,6 +208,7 @@ class LLMEngine:
             if rid in self._states:
                 self.resume(rid, tokens)
         out = self.scheduler.schedule(now)
+        self.last_step_idle = out.is_empty
         if out.is_empty:
             return []
         for seq in out.seqs:
@@ -260,7 +262,9 @@ class LLMEngine:
         finished = req.is_finished
         text = state.text_before + (state.detokenizer.flush() if finished else state.detokenizer.text)
         completion = CompletionOutput(0, text, list(req.output_token_ids), req.status.finish_reason,
-                                      req.stop_reason, list(state.logprobs) if state.logprobs is not None else None)
+                                      req.stop_reason, list(state.logprobs) if state.logprobs is not None else None,
+                                      req.num_generated_tokens)
+        state.metrics.intercepted_time = req.intercepted_seconds
         return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, [completion], finished,
                              state.metrics, max(req.num_cached_tokens, 0))
 

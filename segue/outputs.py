@@ -21,6 +21,8 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None  # the stop string or token that ended it
     logprobs: list[TokenLogprob] | None = None
+    # Tokens the model generated; token_ids also holds tokens appended by interceptions.
+    num_generated_tokens: int = 0
 
 
 @dataclass
@@ -30,6 +32,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Seconds spent inside interceptions (tool calls, human turns), excluded from normalized latency.
+    intercepted_time: float = 0.0
 
 
 @dataclass

@@ -26,7 +26,7 @@ class RequestRecord:
     prompt_tokens: int
     output_tokens: int
     # Seconds the request spent parked inside interceptions (tool calls the engine waits on). Not the
-    # engine's fault, so normalized latency subtracts it. Always 0 until interceptions exist.
+    # engine's fault, so normalized latency subtracts it.
     intercepted_time: float = 0.0
 
     def __post_init__(self) -> None:
@@ -39,13 +39,16 @@ class RequestRecord:
             raise ValueError("intercepted_time must be >= 0")
 
     @classmethod
-    def from_output(cls, output: Any, intercepted_time: float = 0.0) -> RequestRecord:
-        """From a finished `segue.outputs.RequestOutput` (duck-typed to keep this module import-light)."""
+    def from_output(cls, output: Any) -> RequestRecord:
+        """From a finished `segue.outputs.RequestOutput` (duck-typed to keep this module import-light).
+        Output tokens are the generated ones; tokens appended by interceptions do not count."""
         m = output.metrics
         if m.first_token_time is None or m.finished_time is None:
             raise ValueError(f"request {output.request_id} has not produced a token and finished")
+        completion = output.outputs[0]
+        generated = completion.num_generated_tokens or len(completion.token_ids)
         return cls(m.arrival_time, m.first_token_time, m.finished_time, len(output.prompt_token_ids),
-                   len(output.outputs[0].token_ids), intercepted_time)
+                   generated, m.intercepted_time)
 
 
 def ttft(r: RequestRecord) -> float:
