@@ -34,6 +34,7 @@ class AsyncLLMEngine:
         # Set by shutdown() at once, so no new request can slip in while the loop winds down.
         self._closing = False
         self._dead: BaseException | None = None
+        self._detached: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="segue-engine", daemon=True)
         self._thread.start()
 
@@ -45,7 +46,8 @@ class AsyncLLMEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None, **hints) -> AsyncIterator[RequestOutput]:
         """Yields the cumulative output after every new token; the last one has finished=True.
-        Leaving the iterator early (client disconnect, cancellation) aborts the request."""
+        Leaving the iterator early (client disconnect, cancellation) aborts the request, unless
+        it was detach()ed. hints: priority, program_id, tool_parser (see LLMEngine.make_request)."""
         self._check_alive()
         loop = asyncio.get_running_loop()
         state = await loop.run_in_executor(None, lambda: self.engine.make_request(request_id, prompt, params, **hints))
@@ -62,6 +64,50 @@ class AsyncLLMEngine:
             except Exception as e:  # reaches this request's caller only
                 self._deliver(e, rid)
         self._submit(add)
+        async for item in self._consume(rid, queue):
+            yield item
+
+    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None = None) -> None:
+        """End the interception of a paused request whose stream is still open (a server-side
+        tool finished): its outputs continue on that stream."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def op() -> None:
+            try:
+                self.engine.resume(request_id, tokens, params)
+            except Exception as e:
+                loop.call_soon_threadsafe(done.set_exception, e)
+            else:
+                loop.call_soon_threadsafe(done.set_result, None)
+        self._submit(op)
+        await done
+
+    async def continue_request(self, request_id: str, tokens: list[int],
+                               params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Resume a paused request whose previous stream was closed (a session's next turn) and
+        stream it anew."""
+        self._check_alive()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request {request_id!r} is still streaming")
+        self._detached.discard(request_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        try:
+            await self.resume(request_id, tokens, params)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for item in self._consume(request_id, queue):
+            yield item
+
+    def detach(self, request_id: str) -> None:
+        """Keep a paused request alive when its stream closes (a session holds it for a later
+        turn); it leaves only by continue_request() or abort()."""
+        self._detached.add(request_id)
+
+    async def _consume(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -73,10 +119,13 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            if not finished:
+            if not finished and rid not in self._detached:
                 self.abort(rid)
+            elif rid in self._detached:
+                self._streams.pop(rid, None)
 
     def abort(self, request_id: str) -> None:
+        self._detached.discard(request_id)
         self._submit(lambda: self._deliver(self.engine.abort_request(request_id)))
 
     def _check_alive(self) -> None:

@@ -34,6 +34,9 @@ class RequestState:
     logprobs: list[TokenLogprob] | None = field(default=None)
     # Text of the generated segments before the last interception (tool results excluded).
     text_before: str = ""
+    # Detects tool calls in the output (requests that may call tools); None: never intercept.
+    tool_parser: Any = None
+    tool_calls: list | None = None
 
 
 class LLMEngine:
@@ -114,7 +117,7 @@ class LLMEngine:
 
     def make_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                      arrival_time: float | None = None, priority: int = 0,
-                     program_id: str | None = None) -> RequestState:
+                     program_id: str | None = None, tool_parser: Any = None) -> RequestState:
         """Validate and tokenize without touching engine state (safe from any thread)."""
         params.validate()
         request_id = request_id or uuid.uuid4().hex
@@ -136,7 +139,7 @@ class LLMEngine:
                           priority=priority, program_id=program_id)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
         return RequestState(request, text, detok, RequestMetrics(arrival_time=now),
-                             [] if params.logprobs is not None else None)
+                            [] if params.logprobs is not None else None, tool_parser=tool_parser)
 
     def add_prepared(self, state: RequestState) -> Request:
         rid = state.request.request_id
@@ -161,20 +164,27 @@ class LLMEngine:
 
     # ---- interceptions -------------------------------------------------------------------
     def intercept(self, request_id: str, tool: str | None = None, expected_s: float | None = None) -> None:
-        """Pause a request that just produced a token (a tool call, a human turn)."""
+        """Pause a request that just produced a token (a tool call, a human turn). Its KV then
+        follows the interception policy until resume()."""
         req = self._states[request_id].request
         if expected_s is None and tool is not None:
             expected_s = self.tool_stats.expected(tool)
         self.scheduler.intercept_request(req, self.clock(), tool, expected_s)
 
-    def resume(self, request_id: str, tokens: list[int]) -> None:
-        """End a request's interception; `tokens` (the tool result, a user turn) join its context."""
+    def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None = None) -> None:
+        """End a request's interception; `tokens` (the tool result, a user turn) join its context.
+        `params` replaces the sampling settings (a new turn); its max_tokens counts from here."""
         state = self._states.get(request_id)
         if state is None or state.request.interception is None:
             raise InvalidRequestError(f"request {request_id!r} is not paused")
         req = state.request
         if req.num_tokens + len(tokens) >= self.max_model_len:
             raise InvalidRequestError(f"resuming {request_id!r} would exceed the context window")
+        if params is not None:
+            params.validate()
+            req.sampling_params = SamplingParams(**{**params.__dict__,
+                                                    "max_tokens": req.num_generated_tokens + params.max_tokens})
+        state.tool_calls = None
         if req.interception.tool is not None:
             self.tool_stats.observe(req.interception.tool, self.clock() - req.interception.t_call)
         state.text_before += state.detokenizer.flush()
@@ -251,6 +261,9 @@ class LLMEngine:
                 if seg is not None:
                     self.intercept(req.request_id, seg.kind)
                     self.trace.schedule_resume(req.request_id, now + seg.interception_s)
+                elif state.tool_parser is not None and state.tool_parser.has_complete_call(state.detokenizer.text):
+                    _, state.tool_calls = state.tool_parser.find_calls(state.detokenizer.text)
+                    self.intercept(req.request_id, state.tool_calls[0].name or None)
             outputs.append(self._make_output(state))
         for req in out.preempted:
             if req.request_id in self._states:
@@ -263,10 +276,10 @@ class LLMEngine:
         text = state.text_before + (state.detokenizer.flush() if finished else state.detokenizer.text)
         completion = CompletionOutput(0, text, list(req.output_token_ids), req.status.finish_reason,
                                       req.stop_reason, list(state.logprobs) if state.logprobs is not None else None,
-                                      req.num_generated_tokens)
+                                      req.num_generated_tokens, state.tool_calls)
         state.metrics.intercepted_time = req.intercepted_seconds
         return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, [completion], finished,
-                             state.metrics, max(req.num_cached_tokens, 0))
+                             state.metrics, max(req.num_cached_tokens, 0), paused=req.interception is not None)
 
     def _record_waste(self, out, step_s: float) -> None:
         kv = self.scheduler.kv

@@ -23,6 +23,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     # Tokens the model generated; token_ids also holds tokens appended by interceptions.
     num_generated_tokens: int = 0
+    # Tool calls the request is paused on (set while paused; see RequestOutput.paused).
+    tool_calls: list | None = None
 
 
 @dataclass
@@ -45,3 +47,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # True while the request waits in an interception (a tool call, a client turn).
+    paused: bool = False
