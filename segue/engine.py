@@ -151,13 +151,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0,
-                    program_id: str | None = None, script: list[TraceSegment] | None = None) -> Request:
+                    program_id: str | None = None, script: list[TraceSegment] | None = None,
+                    tool_parser: Any = None) -> Request:
         """`script` replays a trace: the request generates, pauses and resumes as it says
         (max_tokens becomes the script's total and EOS is ignored)."""
         if script is not None:
             total = sum(seg.generate_tokens for seg in script)
             params = SamplingParams(**{**params.__dict__, "max_tokens": total, "ignore_eos": True})
-        state = self.make_request(request_id, prompt, params, arrival_time, priority, program_id)
+        state = self.make_request(request_id, prompt, params, arrival_time, priority, program_id, tool_parser)
         if script is not None:
             self.trace.add(state.request.request_id, script)
         return self.add_prepared(state)

@@ -1,0 +1,102 @@
+"""Tool calls pause a request inside the engine and a resume continues it (scripted model)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conftest import make_tiny_checkpoint
+from engine_helpers import run_to_completion
+from segue.async_engine import AsyncLLMEngine
+from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+from segue.engine import LLMEngine
+from segue.executor.base import SampledToken
+from segue.sampling_params import SamplingParams
+from segue.tools.parser import ToolCallParser
+
+
+class ScriptedModel:
+    """Runs the real forward (so KV is written and checked) but samples a scripted token stream."""
+
+    def __init__(self, engine: LLMEngine, script: list[int]) -> None:
+        self.real = engine.executor.execute
+        self.script = script
+        self.pos: dict[str, int] = {}
+
+    def __call__(self, out):
+        sampled = self.real(out)
+        for rid in sampled:
+            i = self.pos.get(rid, 0)
+            self.pos[rid] = i + 1
+            sampled[rid] = SampledToken(self.script[min(i, len(self.script) - 1)])
+        return sampled
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+def make_engine(ckpt, policy="min-waste") -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=ModelLoadConfig(model=str(ckpt), dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=4, kv_cache_tokens=1024),
+        scheduler=SchedulerConfig(interception_policy=policy)))
+
+
+def test_tool_call_pauses_and_resume_continues(ckpt):
+    engine = make_engine(ckpt)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
+    answer = "The answer is 5."
+    eos = engine.model_config.eos_token_ids[0]
+    engine.executor.execute = ScriptedModel(engine, engine.encode(call) + engine.encode(answer) + [eos])
+    rid = engine.add_request(None, engine.encode("What is 2+3?"), SamplingParams(max_tokens=100),
+                             tool_parser=ToolCallParser()).request_id
+    paused = None
+    while paused is None:
+        for out in engine.step():
+            if out.paused:
+                paused = out
+        engine.check_invariants()
+    calls = paused.outputs[0].tool_calls
+    assert [(c.name, c.arguments) for c in calls] == [("calculator", {"expression": "2+3"})]
+    assert paused.outputs[0].text.endswith("</tool_call>") and not paused.finished
+    for _ in range(3):  # paused: nothing to run, nothing leaks
+        assert engine.step() == []
+        engine.check_invariants()
+    result = engine.encode("<tool_response>5</tool_response>")
+    engine.resume(rid, result)
+    final = run_to_completion(engine)[rid]
+    completion = final.outputs[0]
+    assert completion.text == call + answer
+    assert completion.finish_reason == "stop"
+    assert completion.num_generated_tokens == len(engine.encode(call)) + len(engine.encode(answer)) + 1
+    assert final.metrics.intercepted_time > 0
+    assert engine.tool_stats.count("calculator") == 1
+
+
+def test_async_engine_detach_and_continue(ckpt):
+    engine = make_engine(ckpt, policy="swap")
+    eos = engine.model_config.eos_token_ids[0]
+    call = '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'
+    engine.executor.execute = ScriptedModel(engine, engine.encode(call) + engine.encode(" done") + [eos])
+    aengine = AsyncLLMEngine(engine)
+
+    async def scenario():
+        gen = aengine.generate(engine.encode("hi there"), SamplingParams(max_tokens=50),
+                               tool_parser=ToolCallParser())
+        async for out in gen:
+            if out.paused:
+                aengine.detach(out.request_id)
+                rid = out.request_id
+                break
+        await gen.aclose()
+        await asyncio.sleep(0.2)  # the paused request survives its stream closing
+        assert await aengine.run_sync(lambda e: rid in e.scheduler.paused.paused)
+        texts = [o.outputs[0].text async for o in aengine.continue_request(rid, engine.encode(" ok"))]
+        assert texts[-1] == call + " done"
+        held = await aengine.run_sync(lambda e: (e.check_invariants(), e.scheduler.kv.num_held_blocks())[1])
+        assert held == 0
+        await aengine.shutdown()
+
+    asyncio.run(scenario())
