@@ -29,10 +29,11 @@ class FakeKVExecutor:
         self.host: dict[int, list] = {}
 
     def execute(self, out) -> dict[str, int]:
-        for d, h in out.blocks_to_swap_out:
-            self.host[h] = list(self.device.get(d, [None] * self.bs))
+        # Swap-in first: a host block freed by a swap-in may be the target of this step's swap-out.
         for h, d in out.blocks_to_swap_in:
             self.device[d] = list(self.host[h])
+        for d, h in out.blocks_to_swap_out:
+            self.host[h] = list(self.device.get(d, [None] * self.bs))
         sampled = {}
         for seq in out.seqs:
             req = seq.request

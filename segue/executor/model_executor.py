@@ -109,10 +109,16 @@ class ModelExecutor(Executor):
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        t0 = time.perf_counter()
-        self.kv_cache.swap_out(out.blocks_to_swap_out)
-        self.kv_cache.swap_in(out.blocks_to_swap_in)
-        self.last_swap_seconds = time.perf_counter() - t0 if (out.blocks_to_swap_out or out.blocks_to_swap_in) else 0.0
+        swaps = self.kv_cache.start_swaps(out.blocks_to_swap_in, out.blocks_to_swap_out)
+        try:
+            return self._run(out)
+        finally:
+            # Whatever the copies still need after the forward is a stall (swap waste).
+            t0 = time.perf_counter()
+            swaps.wait()
+            self.last_swap_seconds = time.perf_counter() - t0
+
+    def _run(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         if not out.seqs:
             return {}
         # Decodes first: the attention kernel takes them as one contiguous batch.

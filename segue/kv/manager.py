@@ -25,6 +25,9 @@ class KVCacheManager:
         self.host_tables: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request are already published in the prefix cache.
         self._num_registered: dict[str, int] = {}
+        # Device blocks being copied out during the current step: the copy overlaps the forward
+        # pass, so they return to the pool only at the next step (release_swapped_out()).
+        self._swapping_out: list[KVBlock] = []
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -134,9 +137,15 @@ class KVCacheManager:
         moving, self.tables[rid] = table[:n], table[n:]
         host_blocks = self.host.allocate(n)
         self.host_tables.setdefault(rid, []).extend(host_blocks)
-        self.device.free(list(reversed(moving)))
+        self._swapping_out.extend(reversed(moving))
         self._num_registered.pop(rid, None)
         return [(d.block_id, h.block_id) for d, h in zip(moving, host_blocks)]
+
+    def release_swapped_out(self) -> None:
+        """The previous step's copies are done: their source blocks may be reused."""
+        if self._swapping_out:
+            self.device.free(self._swapping_out)
+            self._swapping_out = []
 
     def swap_in_blocks(self, request: Request, max_blocks: int) -> list[tuple[int, int]]:
         """Bring up to max_blocks host blocks back to the device; (host, device) copies."""
@@ -166,6 +175,7 @@ class KVCacheManager:
     # ---- checks --------------------------------------------------------------------------
     def check_invariants(self) -> None:
         refs = Counter(b.block_id for table in self.tables.values() for b in table)
+        refs.update(b.block_id for b in self._swapping_out)
         for rid in self.host_tables:
             assert self.host_tables[rid], f"request {rid} has an empty host table"
         for rid, table in self.tables.items():

@@ -46,8 +46,11 @@ class KVCache:
             return
         src = torch.tensor([d for d, _ in mapping], device=self.k.device)
         dst = torch.tensor([h for _, h in mapping])
-        self.host_k.index_copy_(2, dst, self.k.index_select(2, src).to("cpu"))
-        self.host_v.index_copy_(2, dst, self.v.index_select(2, src).to("cpu"))
+        for cache, host in ((self.k, self.host_k), (self.v, self.host_v)):
+            staged = cache.index_select(2, src)
+            if staged.is_cuda:
+                staged = staged.to("cpu", non_blocking=True)
+            host.index_copy_(2, dst, staged)
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         """Copy host blocks back to device blocks: mapping is [(host_id, device_id)]."""
@@ -55,5 +58,47 @@ class KVCache:
             return
         src = torch.tensor([h for h, _ in mapping])
         dst = torch.tensor([d for _, d in mapping], device=self.k.device)
-        self.k.index_copy_(2, dst, self.host_k.index_select(2, src).to(self.k.device, non_blocking=True))
-        self.v.index_copy_(2, dst, self.host_v.index_select(2, src).to(self.v.device, non_blocking=True))
+        for cache, host in ((self.k, self.host_k), (self.v, self.host_v)):
+            staged = host.index_select(2, src)
+            if cache.is_cuda:
+                staged = staged.pin_memory().to(cache.device, non_blocking=True)
+            cache.index_copy_(2, dst, staged)
+
+    def start_swaps(self, swap_in: list[tuple[int, int]], swap_out: list[tuple[int, int]]) -> "SwapHandle":
+        """Run this step's copies beside the forward pass: a side stream on CUDA, a background
+        thread on CPU. Safe because swapped-in blocks are not read before the next step and
+        swapped-out blocks stay reserved until then (KVCacheManager.release_swapped_out)."""
+        if not swap_in and not swap_out:
+            return SwapHandle(None)
+        if self.k.is_cuda:
+            stream = torch.cuda.Stream(device=self.k.device)
+            stream.wait_stream(torch.cuda.current_stream(self.k.device))
+            with torch.cuda.stream(stream):
+                self.swap_in(swap_in)
+                self.swap_out(swap_out)
+                event = torch.cuda.Event()
+                event.record(stream)
+            return SwapHandle(event.synchronize)
+        future = _copy_pool().submit(lambda: (self.swap_in(swap_in), self.swap_out(swap_out)))
+        return SwapHandle(future.result)
+
+
+class SwapHandle:
+    def __init__(self, wait) -> None:
+        self._wait = wait
+
+    def wait(self) -> None:
+        if self._wait is not None:
+            self._wait()
+            self._wait = None
+
+
+_POOL = None
+
+
+def _copy_pool():
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="segue-swap")
+    return _POOL

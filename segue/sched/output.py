@@ -24,7 +24,9 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
-    # Block copies to perform before the forward pass.
+    # Block copies for this step. Executors copy swap-ins before swap-outs: a host block freed by
+    # a swap-in may be the destination of a swap-out in the same step. Swapped-out device blocks
+    # stay reserved until the next step, so the copies may overlap the forward pass.
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     preempted: list[Request] = field(default_factory=list)

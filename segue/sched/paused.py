@@ -14,7 +14,7 @@ from segue.sched.interception import InterceptionPolicy, PausedRequest, StepStat
 class SwapPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
-    ready: list[Request] = field(default_factory=list)             # fully back on the device
+    ready: list[Request] = field(default_factory=list)             # back on the device, runnable
 
 
 class PausedRequests:
@@ -25,6 +25,8 @@ class PausedRequests:
         self.paused: dict[str, Request] = {}
         # Resumed requests whose context is partly on the host, in swap-in order.
         self.swapped: list[Request] = []
+        # Fully swapped in during the last step; runnable once that step's copies are done.
+        self._landing: list[Request] = []
 
     def intercept(self, req: Request, now: float, tool: str | None, expected_s: float | None) -> None:
         req.status = RequestStatus.INTERCEPTED
@@ -50,10 +52,16 @@ class PausedRequests:
         req.status = RequestStatus.WAITING
         return True
 
+    @property
+    def landing(self) -> list[Request]:
+        return list(self._landing)
+
     def remove(self, req: Request) -> None:
         self.paused.pop(req.request_id, None)
         if req in self.swapped:
             self.swapped.remove(req)
+        if req in self._landing:
+            self._landing.remove(req)
 
     def device_tokens(self, req: Request) -> int:
         held = self.kv.num_device_blocks_of(req.request_id) * self.kv.block_size
@@ -66,7 +74,8 @@ class PausedRequests:
     def plan(self, now: float, running_tokens: int, num_running: int, batch_tokens: int) -> SwapPlan:
         """Spend this step's swap limit: swap-in for resumed requests first (FCFS; they are ready
         to run), the rest as the swap-out budget the policy hands to paused requests."""
-        plan = SwapPlan()
+        plan = SwapPlan(ready=self._landing)
+        self._landing = []
         bs = self.kv.block_size
         limit_blocks = max(1, self.cost.swap_limit(batch_tokens) // bs)
         for req in list(self.swapped):
@@ -77,8 +86,7 @@ class PausedRequests:
             limit_blocks -= len(moved)
             if not self.kv.num_host_blocks_of(req.request_id):
                 self.swapped.remove(req)
-                req.status = RequestStatus.WAITING
-                plan.ready.append(req)
+                self._landing.append(req)
             elif not moved:
                 break  # no free device blocks: later requests would not fit either
         views = []

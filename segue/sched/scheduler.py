@@ -106,10 +106,13 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         key = lambda r: self.policy.key(r, now)  # noqa: E731
+        self.kv.release_swapped_out()
         running_tokens = sum(r.num_computed_tokens for r in self.running)
         plan = self.paused.plan(now, running_tokens, len(self.running), self.last_batch_tokens)
         out.blocks_to_swap_out, out.blocks_to_swap_in = plan.swap_out, plan.swap_in
-        self.waiting.extend(plan.ready)
+        for req in plan.ready:
+            req.status = RequestStatus.WAITING
+            self.waiting.append(req)
         self.running.sort(key=key)
         scheduled: list[tuple[Request, int]] = []
 
@@ -214,7 +217,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
-        ids = [r.request_id for r in self.running + self.waiting + self.paused.swapped]
+        ids = [r.request_id for r in self.running + self.waiting + self.paused.swapped + self.paused.landing]
         ids += list(self.paused.paused)
         assert len(ids) == len(set(ids)), "a request is queued twice"
         assert set(ids) == set(self.requests), "queues and the request table disagree"

@@ -1,0 +1,211 @@
+"""`segue sim`: replay the InferCept trace on the real scheduler with a simulated A100-class
+executor, sweeping arrival rates and interception policies (InferCept §5 at paper scale)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import sys
+import time
+from typing import Any
+
+from segue.sched.interception import INTERCEPTION_POLICIES
+
+ALL_INTERCEPTION = "discard,improved-discard,preserve,swap,ttl,min-waste"
+
+# Device KV pool assumed for each preset: vLLM's default gpu_memory_utilization (0.9) of the
+# GPUs' memory minus fp16 weights; activations and the CUDA context come out of the 10%.
+#   gptj-6b-a100:      0.9 * 80 GiB - 6.05e9 params * 2 B = 65.2 GB / 458,752 B per token
+#   vicuna-13b-2xa100: 0.9 * 2 * 80 GiB - 13.0e9 * 2 B   = 128.6 GB / 819,200 B per token
+_GPU_BYTES = {"gptj-6b-a100": (1, 80 * 2**30, 6.05e9), "vicuna-13b-2xa100": (2, 80 * 2**30, 13.0e9)}
+
+
+def default_kv_cache_tokens(preset: str, kv_bytes_per_token: int, block_size: int) -> int | None:
+    if preset not in _GPU_BYTES:
+        return None
+    gpus, mem, params = _GPU_BYTES[preset]
+    tokens = int((0.9 * gpus * mem - 2 * params) // kv_bytes_per_token)
+    return tokens // block_size * block_size
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _names(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in INTERCEPTION_POLICIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown interception policies {unknown}; "
+                                         f"choose from {sorted(INTERCEPTION_POLICIES)}")
+    return names
+
+
+def add_workload_args(p: argparse.ArgumentParser, num_requests_default: int | None) -> None:
+    """Flags shared with `segue bench intercept`."""
+    g = p.add_argument_group("workload")
+    g.add_argument("--interception-policies", type=_names, default=_names(ALL_INTERCEPTION),
+                   help=f"comma list (default: {ALL_INTERCEPTION})")
+    g.add_argument("--rates", type=_floats, default=None, help="comma list of arrival rates in req/s")
+    g.add_argument("--num-requests", type=int, default=num_requests_default,
+                   help="requests per run, drawn from the trace with replacement")
+    g.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
+    g.add_argument("--cv", type=float, default=1.0, help="gamma arrivals' coefficient of variation")
+    g.add_argument("--kinds", default=None, help="only these trace kinds (comma list of math, qa, ve, "
+                   "chatbot, tts, image)")
+    g.add_argument("--trace", default=None, help="InferCept trace JSON (default: merged_exp_uniform.json)")
+    g.add_argument("--seed", type=int, default=0, help="seeds request sampling, arrivals and token ids")
+    g.add_argument("--latency-slo", type=float, default=0.5,
+                   help="mean normalized latency (s/token) a sustainable rate must meet (default: 0.5)")
+    g.add_argument("--output-json", default=None, metavar="PATH")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+
+
+def add_sim_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("simulated machine")
+    g.add_argument("--preset", default="gptj-6b-a100",
+                   help="gptj-6b-a100, vicuna-13b-2xa100 or a `segue profile` JSON path")
+    g.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="device KV pool in tokens (default for a preset: 0.9 of GPU memory minus fp16 weights)")
+    g.add_argument("--swap-space-tokens", type=int, default=None,
+                   help="host KV pool in tokens (default: as large as the device pool)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default: the preset's saturation point)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (default: 256, as vLLM)")
+    g.add_argument("--max-model-len", type=int, default=4096,
+                   help="context cap; 4096 keeps the trace's few 2048-2051-token requests (default: 4096)")
+    g.add_argument("--policy", default="fcfs", help="ordering policy (default: fcfs)")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    add_workload_args(p, None)
+    p.add_argument("--duration-s", type=float, default=600.0,
+                   help="trace window: rate × duration requests per rate, unless --num-requests (default: 600)")
+    p.add_argument("--plot", default=None, metavar="PATH", help="PNG of mean normalized latency vs rate")
+
+
+def load_workload(args: argparse.Namespace, max_model_len: int) -> tuple[list[Any], int]:
+    """The trace (filtered by kind) and how many requests were dropped for not fitting."""
+    from segue.bench.workloads.infercept import fit_to_context, load_infercept
+
+    trace = load_infercept(args.trace)
+    if args.kinds:
+        kinds = {k.strip() for k in args.kinds.split(",")}
+        trace = [r for r in trace if r.kind in kinds]
+    kept, dropped = fit_to_context(trace, max_model_len)
+    if not kept:
+        raise SystemExit("no trace request fits the context window")
+    return kept, dropped
+
+
+def draw(trace: list[Any], n: int, rate: float, args: argparse.Namespace) -> tuple[list[Any], list[float]]:
+    """The same requests and arrivals for every policy at one rate (string seeds are stable)."""
+    from segue.bench.replay import gamma_arrivals, poisson_arrivals, sample_requests
+
+    rng = random.Random(f"{args.seed}/{rate}")
+    reqs = sample_requests(trace, n, rng)
+    arrivals = (gamma_arrivals(n, rate, args.cv, rng) if args.arrival == "gamma"
+                else poisson_arrivals(n, rate, rng))
+    return reqs, arrivals
+
+
+def plot_latency_vs_rate(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from segue.bench.replay import row_metrics
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        pts = sorted((r["rate"], row_metrics(r)["norm_mean"]) for r in rows if r["policy"] == policy)
+        pts = [(x, y) for x, y in pts if y is not None]
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=policy)
+    ax.set_xlabel("arrival rate (req/s)")
+    ax.set_ylabel("mean normalized latency (s/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    from segue.bench.replay import render_markdown, replay
+    from segue.config import CacheConfig, EngineConfig, SchedulerConfig
+    from segue.executor.sim_executor import make_sim_engine
+    from segue.sched.cost_model import PRESETS, CostModel
+
+    if args.preset in PRESETS:
+        cost = PRESETS[args.preset]
+    elif os.path.exists(args.preset):
+        cost = CostModel.load(args.preset)
+    else:
+        raise SystemExit(f"--preset must be one of {sorted(PRESETS)} or a profile JSON path")
+    bs = args.block_size
+    kv_tokens = args.kv_cache_tokens or default_kv_cache_tokens(args.preset, cost.kv_bytes_per_token, bs)
+    if kv_tokens is None:
+        raise SystemExit("--kv-cache-tokens is required with a profile JSON")
+    swap_tokens = args.swap_space_tokens if args.swap_space_tokens is not None else kv_tokens
+    batched = args.max_num_batched_tokens or cost.saturation_tokens
+    rates = args.rates or [1.0, 2.0, 3.0, 4.0, 5.0]
+    trace, dropped = load_workload(args, args.max_model_len)
+    progress = not args.no_progress
+    rows: list[dict[str, Any]] = []
+    sim_s = wall_s = 0.0
+    steps = 0
+    for rate in rates:
+        n = args.num_requests or max(1, round(rate * args.duration_s))
+        reqs, arrivals = draw(trace, n, rate, args)
+        for name in args.interception_policies:
+            config = EngineConfig(
+                cache=CacheConfig(block_size=bs, kv_cache_tokens=kv_tokens, swap_space_tokens=swap_tokens,
+                                  enable_prefix_caching=not args.no_prefix_caching),
+                scheduler=SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=args.max_num_seqs,
+                                          policy=args.policy, interception_policy=name))
+            engine = make_sim_engine(cost, kv_tokens, config, max_model_len=args.max_model_len)
+            res = replay(engine, reqs, arrivals, engine.clock.advance_to, seed=args.seed, progress=progress,
+                         desc=f"{name} @ {rate:g} req/s")
+            rows.append({"policy": name, "rate": rate, **res.to_dict()})
+            sim_s += engine.clock()
+            wall_s += res.wall_s
+            steps += res.steps
+    title = (f"segue sim — {args.preset}, {kv_tokens} KV tokens, {batched} tokens/step, "
+             f"{args.policy} ordering")
+    print(render_markdown(rows, args.latency_slo, title))
+    speed = (f"simulated {sim_s:.0f} s in {wall_s:.1f} s wall ({sim_s / max(wall_s, 1e-9):.0f}× real time, "
+             f"{steps / max(wall_s, 1e-9):.0f} steps/s); {dropped} trace requests dropped "
+             f"(context ≥ {args.max_model_len})")
+    print(f"\n{speed}")
+    if args.output_json:
+        result = {
+            "command": shlex.join([os.path.basename(sys.argv[0]) or "segue", *sys.argv[1:]]),
+            "preset": args.preset, "cost_model": cost.__dict__, "kv_cache_tokens": kv_tokens,
+            "swap_space_tokens": swap_tokens, "max_num_batched_tokens": batched,
+            "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len, "policy": args.policy,
+            "dropped_requests": dropped, "latency_slo": args.latency_slo, "sim_seconds": sim_s,
+            "wall_seconds": wall_s, "rows": rows,
+        }
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+    if args.plot:
+        plot_latency_vs_rate(rows, args.plot, f"{args.preset}: InferCept trace")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Stand-alone entry until `segue sim` is wired into segue/cli.py.
+    p = argparse.ArgumentParser(prog="segue sim", description=__doc__)
+    add_sim_args(p)
+    return run_sim(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    rc = main()
+    print(f"total {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    sys.exit(rc)
