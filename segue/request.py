@@ -68,6 +68,9 @@ class Request:
     # Scheduling hints from the API; policies may read them.
     priority: int = 0
     program_id: str | None = None
+    # Prefix-cache namespace (a tenant): blocks hashed under different salts never match, so one
+    # tenant cannot learn another's prompts from cache-hit timing.
+    cache_salt: str | None = None
     # Tie-breaker that keeps FCFS stable when arrival times are equal.
     seq_no: int = field(default_factory=lambda: next(_arrival_counter))
 

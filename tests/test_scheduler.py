@@ -119,3 +119,17 @@ def test_preemption_when_blocks_run_out_recomputes_latest_arrival():
         sched.check_invariants()
     assert preempted and set(preempted) == {"b"}
     assert b.num_preemptions >= 1 and b.num_output_tokens == 6
+
+
+def test_cache_salt_isolates_prefix_cache_between_tenants():
+    sched = make_scheduler(num_blocks=16, block_size=4, budget=64)
+    prompt = list(range(12))
+    a = Request("a", prompt, SamplingParams(max_tokens=1), 0.0, cache_salt="tenant-1")
+    sched.add_request(a)
+    run_step(sched, 0.0)
+    other = Request("b", prompt, SamplingParams(max_tokens=1), 1.0, cache_salt="tenant-2")
+    same = Request("c", prompt, SamplingParams(max_tokens=1), 2.0, cache_salt="tenant-1")
+    sched.add_request(other)
+    sched.add_request(same)
+    run_step(sched, 1.0)
+    assert other.num_cached_tokens == 0 and same.num_cached_tokens == 8

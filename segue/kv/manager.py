@@ -44,7 +44,7 @@ class KVCacheManager:
     def _update_block_hashes(self, request: Request) -> None:
         bs = self.block_size
         hashes = request.block_hashes
-        parent = hashes[-1] if hashes else self.hash_salt
+        parent = hashes[-1] if hashes else hash((self.hash_salt, request.cache_salt))
         for i in range(len(hashes), request.num_tokens // bs):
             parent = hash((parent, tuple(request.tokens_slice(i * bs, (i + 1) * bs))))
             hashes.append(parent)
