@@ -37,6 +37,8 @@ class RequestState:
     # Detects tool calls in the output (requests that may call tools); None: never intercept.
     tool_parser: Any = None
     tool_calls: list | None = None
+    # The client's hint of how long its tool calls take (extra_body expected_tool_seconds).
+    expected_tool_s: float | None = None
 
 
 class LLMEngine:
@@ -118,7 +120,7 @@ class LLMEngine:
     def make_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                      arrival_time: float | None = None, priority: int = 0,
                      program_id: str | None = None, tool_parser: Any = None,
-                     cache_salt: str | None = None) -> RequestState:
+                     cache_salt: str | None = None, expected_tool_s: float | None = None) -> RequestState:
         """Validate and tokenize without touching engine state (safe from any thread)."""
         params.validate()
         request_id = request_id or uuid.uuid4().hex
@@ -140,7 +142,8 @@ class LLMEngine:
                           priority=priority, program_id=program_id, cache_salt=cache_salt)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
         return RequestState(request, text, detok, RequestMetrics(arrival_time=now),
-                            [] if params.logprobs is not None else None, tool_parser=tool_parser)
+                            [] if params.logprobs is not None else None, tool_parser=tool_parser,
+                            expected_tool_s=expected_tool_s)
 
     def add_prepared(self, state: RequestState) -> Request:
         rid = state.request.request_id
@@ -265,7 +268,7 @@ class LLMEngine:
                     self.trace.schedule_resume(req.request_id, now + seg.interception_s)
                 elif state.tool_parser is not None and state.tool_parser.has_complete_call(state.detokenizer.text):
                     _, state.tool_calls = state.tool_parser.find_calls(state.detokenizer.text)
-                    self.intercept(req.request_id, state.tool_calls[0].name or None)
+                    self.intercept(req.request_id, state.tool_calls[0].name or None, state.expected_tool_s)
             outputs.append(self._make_output(state))
         for req in out.preempted:
             if req.request_id in self._states:
