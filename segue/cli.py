@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--config", default=None, help="server config file (JSON or TOML): limits, sessions, "
+                       "API keys, server-side tools; see segue/server/README.md")
     serve.add_argument("--api-key", action="append", default=None,
                        help="accepted API key (repeatable; also SEGUE_API_KEYS, comma separated)")
     add_engine_args(serve)

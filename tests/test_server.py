@@ -3,50 +3,24 @@ openai client (sync and async), a tiny random Llama on CPU."""
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 from typing import Any, Callable, Iterator
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from conftest import make_tiny_checkpoint
 from segue.async_engine import AsyncLLMEngine
 from segue.config import EngineConfig, ModelLoadConfig
 from segue.engine import LLMEngine
 from segue.server.app import create_app
+from test_server_support import ServerThread
 
 API_KEY = "sk-test-key"
 PROMPT = "The quick brown fox"
 # Random weights rarely pick EOS, but ignore_eos makes token counts exact.
 EXACT = {"ignore_eos": True}
-
-
-class ServerThread:
-    """uvicorn on 127.0.0.1 in a background thread, on a socket bound before start (no port race)."""
-
-    def __init__(self, app: Any) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> "ServerThread":
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -208,9 +182,9 @@ def test_errors(server: ServerThread, client: openai.OpenAI, model: str, engine:
     with pytest.raises(openai.BadRequestError, match="context window"):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": too_long}],
                                        max_tokens=2, stream=True)
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    with pytest.raises(openai.BadRequestError, match="tools are not supported yet"):
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], tools=[tool])
+    bad_tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
+    with pytest.raises(openai.BadRequestError, match="parameters"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], tools=[bad_tool])
     with pytest.raises(openai.BadRequestError, match="n > 1"):
         client.completions.create(model=model, prompt="hi", max_tokens=2, n=2)
     with pytest.raises(openai.BadRequestError, match="image_url"):

@@ -1,5 +1,6 @@
-"""OpenAI-compatible HTTP server for Segue.
+"""OpenAI-compatible HTTP server for Segue (see README.md in this folder).
 
-protocol.py holds the wire models, errors.py the OpenAI-style error responses, app.py the FastAPI
-application and its routes, launch.py the `segue serve` entry point.
+app.py builds the application; routes_*.py hold the endpoints; tool_loop.py drives one chat
+response through server-side tool rounds; sessions.py keeps paused requests between client turns;
+launch.py is the `segue serve` entry point.
 """

@@ -31,13 +31,16 @@ class APIError(Exception):
     """An error with an HTTP status, raised anywhere in a route and rendered by the handler."""
 
     def __init__(self, status_code: int, message: str, type: str | None = None,
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.type = type or default_error_type(status_code)
         self.param = param
         self.code = code
+        # e.g. Retry-After on a 429, which clients use to pace their retries.
+        self.headers = headers
 
 
 def default_error_type(status_code: int) -> str:
@@ -55,7 +58,8 @@ def error_json(err: APIError) -> str:
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(error_payload(err.message, err.type, err.param, err.code), status_code=err.status_code)
+    return JSONResponse(error_payload(err.message, err.type, err.param, err.code), status_code=err.status_code,
+                        headers=err.headers)
 
 
 def to_api_error(exc: BaseException) -> APIError:

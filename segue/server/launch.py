@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from segue.config import EngineConfig
 
@@ -14,29 +13,29 @@ logger = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_S = 10
 
 
-def resolve_api_keys(args: argparse.Namespace) -> list[str]:
-    """--api-key (repeatable) wins; otherwise SEGUE_API_KEYS, comma separated. Empty: no auth."""
-    keys = list(getattr(args, "api_key", None) or [])
-    if not keys:
-        keys = os.environ.get("SEGUE_API_KEYS", "").split(",")
-    return [k.strip() for k in keys if k and k.strip()]
-
-
 def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
     import uvicorn
 
     from segue.async_engine import AsyncLLMEngine
     from segue.server.app import create_app
+    from segue.server.auth import resolve_api_keys
+    from segue.server.config import ServerConfigError, load_server_config
 
     host = getattr(args, "host", None) or "127.0.0.1"
     port = getattr(args, "port", None) or 8000
-    api_keys = resolve_api_keys(args)
+    try:
+        server_config, tools = load_server_config(getattr(args, "config", None))
+    except ServerConfigError as e:
+        logger.error("%s", e)
+        return 2
+    server_config.api_keys = resolve_api_keys(getattr(args, "api_key", None), server_config.api_keys)
     # Load before binding the port, so a bad --model fails fast and nothing half-starts.
     engine = AsyncLLMEngine.from_config(config)
-    app = create_app(engine, api_keys=api_keys, shutdown_engine=True)
-    logger.info("serving %r (context %d tokens) on http://%s:%d/v1%s", engine.engine.model_name,
-                engine.engine.max_model_len, host, port, " with API keys" if api_keys else "")
-    if not api_keys and host not in ("127.0.0.1", "localhost", "::1"):
+    app = create_app(engine, shutdown_engine=True, config=server_config, tools=tools)
+    logger.info("serving %r (context %d tokens) on http://%s:%d/v1%s; server-side tools: %s",
+                engine.engine.model_name, engine.engine.max_model_len, host, port,
+                " with API keys" if server_config.api_keys else "", ", ".join(tools.names()) or "none")
+    if not server_config.api_keys and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s without API keys: anyone who can reach it can use it", host)
     server = uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level=str(getattr(args, "log_level", "info")).lower(),

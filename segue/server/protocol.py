@@ -1,19 +1,18 @@
-"""Wire models for the OpenAI-compatible endpoints, and their translation to SamplingParams.
+"""Request wire models for the OpenAI-compatible endpoints, and their translation to SamplingParams.
 
 Requests ignore unknown fields because OpenAI clients and agent frameworks send extras we do not
 know, but known fields are strict: "abc" or "5" for an integer is a 400, not a silent coercion.
-Fields that would change the result and that Segue cannot honour yet (n > 1, penalties, echo,
-tools, ...) are rejected rather than ignored, so a client never gets quietly different output.
+Fields that would change the result and that Segue cannot honour yet (n > 1, penalties, echo, ...)
+are rejected rather than ignored, so a client never gets quietly different output. Response models
+live in responses.py.
 """
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field
 
-from segue.outputs import TokenLogprob
 from segue.sampling_params import InvalidRequestError, SamplingParams
 
 # Completion budget when the request names none: the rest of the context, capped so a client
@@ -56,6 +55,9 @@ class _SamplingRequest(_Request):
     # Extensions (vLLM spelling), sent by the openai client through extra_body.
     top_k: int | None = None
     ignore_eos: bool | None = None
+    # Segue extensions (extra_body): scheduling hints passed to the engine.
+    priority: int | None = None
+    program_id: str | None = Field(default=None, max_length=256)
 
     @property
     def include_usage(self) -> bool:
@@ -67,6 +69,14 @@ class _SamplingRequest(_Request):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise InvalidRequestError(f"{name} is not supported yet (only 0 is accepted)")
+
+    def engine_hints(self) -> dict[str, Any]:
+        hints: dict[str, Any] = {}
+        if self.priority is not None:
+            hints["priority"] = self.priority
+        if self.program_id is not None:
+            hints["program_id"] = self.program_id
+        return hints
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
@@ -109,26 +119,34 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str = ""
+
+
+class ToolCallIn(_Request):
+    """A tool call in an assistant message of the history (as the client got it from us)."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
-    def to_template_dict(self) -> dict[str, Any]:
-        """The message as chat templates expect it: plain-string content, no OpenAI-only roles."""
+    def text(self) -> str:
+        """The content as one string; only text parts exist for a text-only model."""
         if isinstance(self.content, list):
             for part in self.content:
                 if part.type != "text" or part.text is None:
                     raise InvalidRequestError(f"content parts of type {part.type!r} are not supported; "
                                               "only text parts are")
-            content = "".join(part.text or "" for part in self.content)
-        else:
-            content = self.content or ""
-        # "developer" is OpenAI's newer name for the system role; templates only know "system".
-        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
-        if self.name is not None:
-            msg["name"] = self.name
-        return msg
+            return "".join(part.text or "" for part in self.content)
+        return self.content or ""
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -136,16 +154,20 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    # Checked in chat_tools.py (JSON-schema validation needs more than a type annotation).
+    tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    # Segue extensions (extra_body).
+    session_id: str | None = Field(default=None, max_length=128)
+    # Keep the conversation in a session even when this turn ends normally (a human turn).
+    open_session: bool | None = None
+    # The client's estimate of how long its tools take: the interception policy's duration hint.
+    expected_tool_seconds: float | None = Field(default=None, ge=0, le=86400)
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise InvalidRequestError("tools are not supported yet")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequestError("tool_choice is not supported yet (tools are not supported)")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise InvalidRequestError("response_format other than text is not supported yet")
         if self.top_logprobs is not None and not self.logprobs:
@@ -157,149 +179,3 @@ class ChatCompletionRequest(_SamplingRequest):
         if max_tokens is None:
             max_tokens = default_max_tokens(prompt_len, max_model_len)
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
-
-
-# ---- responses --------------------------------------------------------------------------------
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "Usage":
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    """Also the streaming chunk: OpenAI uses the same "text_completion" shape for both."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_unset(self, handler: Any) -> dict[str, Any]:
-        # OpenAI deltas carry only what changed: {"content": "x"}, and {} on the final chunk.
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "segue"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def _utf8(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-
-def chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:
-    return ChatLogprobs(content=[
-        ChatTokenLogprob(token=e.token, logprob=e.logprob, bytes=_utf8(e.token),
-                         top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=_utf8(t)) for _, t, lp in e.top])
-        for e in entries])
-
-
-def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
-    """`text_offset` is where the first entry's token starts in the completion text (non-zero for
-    later streaming chunks)."""
-    out = CompletionLogprobs()
-    for e in entries:
-        out.tokens.append(e.token)
-        out.token_logprobs.append(e.logprob)
-        # Distinct token ids can render to the same text; keep the more likely one.
-        top: dict[str, float] = {}
-        for _, text, lp in e.top:
-            top.setdefault(text, lp)
-        out.top_logprobs.append(top)
-        out.text_offset.append(text_offset)
-        text_offset += len(e.token)
-    return out

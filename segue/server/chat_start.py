@@ -1,0 +1,111 @@
+"""Starting a chat turn: continue the session's paused request, or start a new one.
+
+A session's paused request is continued only when the client's history extends what it was shown
+(`transcript`), the tools are the same, and the engine still holds exactly the tokens we recorded;
+then only the new messages are rendered and appended, so nothing held is recomputed. Otherwise
+(history edited, tools changed, request gone) the old request is aborted and a fresh one starts
+from the full history; the prefix cache still serves whatever prefix is shared.
+
+The comparison is on messages, not on re-tokenized text: what the model sampled need not be the
+tokenizer's canonical encoding of its own text, and the client gets the calls back as OpenAI JSON,
+not as the text the model wrote.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+
+from segue.outputs import RequestOutput
+from segue.sampling_params import InvalidRequestError
+from segue.server.auth import cache_salt
+from segue.server.chat_tools import SteeredParser, ToolSetup
+from segue.server.context import ServingContext
+from segue.server.limits import Deadline
+from segue.server.protocol import ChatCompletionRequest, random_id
+from segue.server.sessions import HeldRequest, Session
+from segue.server.streaming import prepend, unless_disconnected
+from segue.server.templating import normalize
+from segue.server.tool_loop import ChatTurn
+
+
+class ClientGone(Exception):
+    """The client disconnected before the first output; nobody is left to answer."""
+
+
+async def _first(request: Request, deadline: Deadline, gen: Any) -> RequestOutput:
+    first = await unless_disconnected(request, deadline.next(gen))
+    if first is None:
+        await gen.aclose()
+        raise ClientGone()
+    return first
+
+
+def _held_tokens(request_id: str) -> Any:
+    def read(engine: Any) -> list[int] | None:
+        req = engine.scheduler.requests.get(request_id)
+        return req.all_token_ids if req is not None and req.interception is not None else None
+    return read
+
+
+async def continue_held(ctx: ServingContext, request: Request, body: ChatCompletionRequest, setup: ToolSetup,
+                        session: Session, held: HeldRequest, deadline: Deadline) -> ChatTurn | None:
+    """The continued turn, or None when the held request cannot be continued (caller aborts it)."""
+    n = len(session.transcript)
+    history = [normalize(m) for m in body.messages]
+    if len(history) <= n or history[:n] != session.transcript or setup.tools != held.tools:
+        return None
+    if await ctx.engine.run_sync(_held_tokens(held.request_id)) != held.token_ids:
+        return None
+    new_messages = held.server_results + ctx.renderer.template_messages(body.messages[n:])
+    text = await ctx.in_thread(ctx.renderer.continuation, held.context, held.segment, new_messages, setup.tools)
+    suffix = await ctx.tokenize(text + setup.forced_prefix)
+    params = body.to_sampling_params(len(held.token_ids) + len(suffix), ctx.max_model_len)
+    if held.parser is not None:
+        held.parser.arm(setup.forced_prefix)
+    gen = ctx.engine.continue_request(held.request_id, suffix, params)
+    session.active_request_id = held.request_id
+    try:
+        first = await _first(request, deadline, gen)
+    except InvalidRequestError:  # no longer paused, or the new messages overflow the context
+        await gen.aclose()
+        return None
+    context = held.context + [{"role": "assistant", "content": held.segment}] + new_messages
+    return ChatTurn(ctx, held.request_id, prepend(first, gen), setup, held.parser, context, deadline,
+                    prefix=setup.forced_prefix, text_start=held.text_len, gen_start=held.num_generated,
+                    cached_tokens=len(held.token_ids), expected_tool_seconds=body.expected_tool_seconds)
+
+
+async def start_fresh(ctx: ServingContext, request: Request, body: ChatCompletionRequest, setup: ToolSetup,
+                      session: Session | None, tenant: str | None, deadline: Deadline) -> ChatTurn:
+    messages = ctx.renderer.template_messages(body.messages)
+
+    def render() -> list[int]:
+        text = ctx.renderer.render(messages, setup.tools) + setup.forced_prefix
+        return ctx.engine.engine.encode(text)
+    prompt_ids = await ctx.in_thread(render)
+    params = body.to_sampling_params(len(prompt_ids), ctx.max_model_len)
+    parser = SteeredParser(setup.forced_prefix) if setup.enabled else None
+    rid = random_id("chatcmpl")
+    hints = {**body.engine_hints(), **ctx.generate_hints(cache_salt(tenant))}
+    gen = ctx.engine.generate(prompt_ids, params, request_id=rid, tool_parser=parser, **hints)
+    if session is not None:
+        session.active_request_id = rid
+    first = await _first(request, deadline, gen)
+    return ChatTurn(ctx, rid, prepend(first, gen), setup, parser, messages, deadline, prefix=setup.forced_prefix,
+                    cached_tokens=first.num_cached_tokens, expected_tool_seconds=body.expected_tool_seconds)
+
+
+async def start_turn(ctx: ServingContext, request: Request, body: ChatCompletionRequest, setup: ToolSetup,
+                     session: Session | None, tenant: str | None, deadline: Deadline) -> ChatTurn:
+    held = ctx.sessions.take_held(session) if session is not None else None
+    if held is not None:
+        try:
+            turn = await continue_held(ctx, request, body, setup, session, held, deadline)  # type: ignore[arg-type]
+        except BaseException:
+            ctx.engine.abort(held.request_id)
+            raise
+        if turn is not None:
+            return turn
+        ctx.engine.abort(held.request_id)
+    return await start_fresh(ctx, request, body, setup, session, tenant, deadline)

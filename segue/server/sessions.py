@@ -1,0 +1,168 @@
+"""Sessions: conversations whose paused request the engine keeps between client turns.
+
+A response that ends on client-side tool calls leaves its request paused in the engine (detached
+from the finished HTTP stream); the session remembers what the client saw (`transcript`) and what
+the model holds (`context` + `segment`), so the client's next request, which repeats the whole
+history as OpenAI clients do, can be checked against the transcript and only the new messages fed
+to the engine. While paused, the request's KV follows the engine's interception policy (preserved,
+swapped or discarded), so a held session costs little device memory.
+
+A turn that ends normally (a human turn is next) finishes its request: the engine has no "pause on
+end of turn" yet, so the next turn starts a fresh request with the full history and the prefix
+cache serves the shared part (see README, sessions).
+
+Sessions belong to the tenant (API key) that made them; any other tenant gets the same 404 as for
+an unknown id, so ids cannot be probed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from segue.server.chat_tools import SteeredParser
+from segue.server.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class HeldRequest:
+    """A paused engine request and what is needed to continue it."""
+    request_id: str
+    # Token ids the engine holds for it (prompt + output), to verify it before continuing.
+    token_ids: list[int]
+    # Internal conversation before `segment` (injected tool messages included).
+    context: list[dict[str, Any]]
+    # Assistant text generated since the last resume (with any prefilled call start).
+    segment: str
+    # len(output text) at the pause: where the next turn's new text starts.
+    text_len: int
+    num_generated: int
+    # Results of server-side calls made in the same pause, appended before the client's.
+    server_results: list[dict[str, Any]]
+    parser: SteeredParser | None
+    tools: list[dict[str, Any]]
+
+
+@dataclass
+class Session:
+    session_id: str
+    tenant: str | None
+    created: float
+    last_used: float
+    # Normalized client-visible messages (templating.normalize) the next request must start with.
+    transcript: list[tuple] = field(default_factory=list)
+    held: HeldRequest | None = None
+    # The engine request of the turn in progress, so closing a busy session can abort it.
+    active_request_id: str | None = None
+    busy: bool = False
+    closed: bool = False
+
+
+class SessionStore:
+    def __init__(self, abort: Callable[[str], None], ttl_s: float, max_sessions: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._abort = abort
+        self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
+        self.clock = clock
+        self._sessions: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def counts(self) -> dict[str, int]:
+        held = sum(1 for s in self._sessions.values() if s.held is not None)
+        return {"held": held, "idle": len(self._sessions) - held}
+
+    def check_capacity(self) -> None:
+        if len(self._sessions) >= self.max_sessions:
+            self.expire()
+        if len(self._sessions) >= self.max_sessions:
+            raise APIError(429, f"too many open sessions ({self.max_sessions}); close some "
+                                "(DELETE /v1/sessions/{id}) or wait for idle ones to expire",
+                           type="rate_limit_error", code="too_many_sessions", headers={"Retry-After": "1"})
+
+    def create(self, tenant: str | None) -> Session:
+        now = self.clock()
+        session = Session("sess-" + secrets.token_hex(16), tenant, now, now, busy=True)
+        self._sessions[session.session_id] = session
+        return session
+
+    def _get(self, session_id: str, tenant: str | None) -> Session:
+        session = self._sessions.get(session_id)
+        # Another tenant's session looks exactly like a missing one.
+        if session is None or session.tenant != tenant:
+            raise APIError(404, f"session {session_id!r} does not exist (closed, expired or never created)",
+                           param="session_id", code="session_not_found")
+        return session
+
+    def checkout(self, session_id: str, tenant: str | None) -> Session:
+        """Take a session for one turn; a session serves one request at a time (409 otherwise)."""
+        session = self._get(session_id, tenant)
+        if session.busy:
+            raise APIError(409, f"session {session_id!r} is busy with another request", param="session_id",
+                           code="session_busy")
+        session.busy = True
+        session.last_used = self.clock()
+        return session
+
+    def checkin(self, session: Session) -> None:
+        session.busy = False
+        session.active_request_id = None
+        session.last_used = self.clock()
+        if session.closed:  # closed while its turn ran: the turn's request was aborted then
+            self._release(session)
+
+    def take_held(self, session: Session) -> HeldRequest | None:
+        held, session.held = session.held, None
+        return held
+
+    def hold(self, session: Session, held: HeldRequest) -> None:
+        """Keep a paused request for the session's next turn (or drop it if the session closed)."""
+        if session.closed:
+            self._abort(held.request_id)
+        else:
+            session.held = held
+
+    def close(self, session_id: str, tenant: str | None) -> None:
+        session = self._get(session_id, tenant)
+        session.closed = True
+        if session.active_request_id is not None:
+            self._abort(session.active_request_id)
+        self._release(session)
+
+    def _release(self, session: Session) -> None:
+        self._sessions.pop(session.session_id, None)
+        held = self.take_held(session)
+        if held is not None:
+            self._abort(held.request_id)
+
+    def expire(self, now: float | None = None) -> int:
+        """Close sessions idle for longer than the TTL; returns how many."""
+        now = self.clock() if now is None else now
+        stale = [s for s in self._sessions.values() if not s.busy and now - s.last_used > self.ttl_s]
+        for session in stale:
+            session.closed = True
+            self._release(session)
+        if stale:
+            logger.info("expired %d idle session(s)", len(stale))
+        return len(stale)
+
+    def close_all(self) -> None:
+        for session in list(self._sessions.values()):
+            session.closed = True
+            self._release(session)
+
+    async def run_expiry(self, period_s: float) -> None:
+        """Background sweep (started by the app's lifespan)."""
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                self.expire()
+            except Exception:  # a sweep bug must not end sweeping for good
+                logger.exception("session expiry failed")

@@ -1,0 +1,189 @@
+"""One chat response, driven to its end: text deltas out, server-side tool rounds in between.
+
+The engine pauses a request whose output completes a tool call. If every call is the operator's,
+the tools run here (concurrently, with their timeouts; failures become error results the model
+reads), their results are rendered in the template's tool-message form and appended, and the same
+engine request continues, so the client sees one response. If any call is the client's, the
+request stays paused (detached into a session) and the response ends with finish_reason
+"tool_calls". Tool durations are not recorded here: the engine times each interception itself.
+
+Text inside tool calls is never shown as content: deltas stop short of anything that could still
+become a call, and calls leave the stream as `tool_calls` (client-side) or not at all (server-side).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator
+
+from segue.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from segue.sampling_params import InvalidRequestError
+from segue.server.chat_tools import SteeredParser, ToolSetup
+from segue.server.errors import APIError
+from segue.server.limits import Deadline
+from segue.server.responses import Usage
+from segue.server.sessions import HeldRequest
+from segue.server.streaming import checked
+from segue.tools.parser import ToolCallParser
+from segue.tools.spec import ToolCall
+
+if TYPE_CHECKING:
+    from segue.server.context import ServingContext
+
+
+@dataclass
+class Delta:
+    content: str = ""
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class TurnEnd:
+    finish_reason: str
+    usage: Usage
+    # The client's calls, when finish_reason is "tool_calls".
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    # The paused request, for the session, when finish_reason is "tool_calls".
+    held: HeldRequest | None = None
+
+
+class ChatTurn:
+    """Drives one engine request (new or continued) for one HTTP response."""
+
+    def __init__(self, ctx: "ServingContext", request_id: str, outputs: AsyncGenerator[RequestOutput, None],
+                 setup: ToolSetup, parser: SteeredParser | None, context: list[dict[str, Any]],
+                 deadline: Deadline, *, prefix: str = "", text_start: int = 0, gen_start: int = 0,
+                 cached_tokens: int = 0, expected_tool_seconds: float | None = None) -> None:
+        self.ctx = ctx
+        self.request_id = request_id
+        self.outputs = outputs
+        self.setup = setup
+        self.parser = parser
+        # A parser without the prefill logic: the engine's parser is stateful, ours must not be.
+        self.splitter: ToolCallParser | None = parser.plain() if parser is not None else None
+        self.context = context
+        self.deadline = deadline
+        self.prefix = prefix
+        self.text_start = text_start
+        self.gen_start = gen_start
+        self.cached_tokens = cached_tokens
+        self.expected_tool_seconds = expected_tool_seconds
+        self.emitted = 0  # characters of the current segment (prefix included) already handled
+        self.sent_logprobs = gen_start
+        self.rounds = 0
+        self.tool_seconds = 0.0
+        self.first_token_at: float | None = None
+        self.completion_tokens = 0
+
+    async def events(self) -> AsyncIterator[Delta | TurnEnd]:
+        """Deltas, then exactly one TurnEnd (or an exception). Closing it early aborts the request."""
+        try:
+            while True:
+                try:
+                    out = await self.deadline.next(self.outputs)
+                except StopAsyncIteration:
+                    raise APIError(500, "the engine stream ended without a final output") from None
+                c = checked(out)
+                self.completion_tokens = c.num_generated_tokens - self.gen_start
+                if self.first_token_at is None and self.completion_tokens > 0:
+                    self.first_token_at = time.monotonic()
+                delta = Delta(self._content(c, out), self._logprobs(c))
+                if delta.content or delta.logprobs:
+                    yield delta
+                if out.finished:
+                    yield self._end(out, c.finish_reason or "stop")
+                    return
+                if out.paused:
+                    end = await self._on_pause(out, c)
+                    if end is not None:
+                        yield end
+                        return
+        finally:
+            # Aborts the engine request unless it was detached into a session.
+            await self.outputs.aclose()
+
+    # ---- text ----------------------------------------------------------------------------
+    def _segment(self, c: CompletionOutput) -> str:
+        return self.prefix + c.text[self.text_start:]
+
+    def _content(self, c: CompletionOutput, out: RequestOutput) -> str:
+        seg = self._segment(c)
+        if self.splitter is None:
+            end = len(seg)
+        elif out.paused or out.finished:
+            end = len(seg)
+        else:
+            end = self.splitter.safe_prefix_len(seg)
+        if end <= self.emitted:
+            return ""
+        chunk, self.emitted = seg[self.emitted:end], end
+        if self.splitter is None or (out.finished and not out.paused):
+            # A call cut off by max_tokens stays visible: the client should see what was written.
+            return chunk
+        return self.splitter.find_calls(chunk, strip=False)[0]
+
+    def _logprobs(self, c: CompletionOutput) -> list[TokenLogprob] | None:
+        if c.logprobs is None or len(c.logprobs) <= self.sent_logprobs:
+            return None
+        new = c.logprobs[self.sent_logprobs:]
+        self.sent_logprobs = len(c.logprobs)
+        return new
+
+    def _end(self, out: RequestOutput, reason: str, calls: list[ToolCall] | None = None,
+             held: HeldRequest | None = None) -> TurnEnd:
+        c = out.outputs[0]
+        total = len(out.prompt_token_ids) + len(c.token_ids)
+        completion = c.num_generated_tokens - self.gen_start
+        usage = Usage.of(total - completion, completion, self.cached_tokens)
+        return TurnEnd(reason, usage, calls or [], held)
+
+    # ---- pauses --------------------------------------------------------------------------
+    async def _on_pause(self, out: RequestOutput, c: CompletionOutput) -> TurnEnd | None:
+        calls = list(c.tool_calls or [])
+        client_calls = [call for call in calls if self.setup.is_client_call(call)]
+        server_calls = [call for call in calls if not self.setup.is_client_call(call)]
+        if server_calls and not client_calls and self.rounds >= self.ctx.config.max_tool_rounds:
+            # Closing the stream (events' finally) aborts the request and frees its KV.
+            return self._end(out, "length")
+        results: list[dict[str, Any]] = []
+        if server_calls:
+            self.rounds += 1
+            t0 = time.monotonic()
+            done = await self.deadline.run(self.ctx.runner.run_all(server_calls))
+            self.tool_seconds += time.monotonic() - t0
+            for r in done:
+                self.ctx.metrics.count_tool_call(r.name, "server", r.is_error)
+            results = [r.to_message() for r in done]
+        segment = self._segment(c)
+        if client_calls:
+            for call in client_calls:
+                self.ctx.metrics.count_tool_call(call.name, "client", False)
+            self.ctx.engine.detach(self.request_id)
+            held = HeldRequest(self.request_id, list(out.prompt_token_ids) + list(c.token_ids), self.context,
+                               segment, len(c.text), c.num_generated_tokens, results, self.parser, self.setup.tools)
+            if self.expected_tool_seconds is not None:
+                await self._hint_duration(self.expected_tool_seconds)
+            return self._end(out, "tool_calls", client_calls, held)
+        tokens: list[int] = []
+        if results:
+            text = await self.ctx.in_thread(self.ctx.renderer.continuation, self.context, segment, results,
+                                            self.setup.tools)
+            tokens = await self.ctx.in_thread(self.ctx.engine.engine.encode, text)
+            self.context = self.context + [{"role": "assistant", "content": segment}] + results
+        self.text_start, self.prefix, self.emitted = len(c.text), "", 0
+        try:
+            await self.ctx.engine.resume(self.request_id, tokens)
+        except InvalidRequestError:  # the results do not fit in the context window
+            return self._end(out, "length")
+        return None
+
+    async def _hint_duration(self, seconds: float) -> None:
+        """Stopgap until the engine takes a per-request duration hint: set it on the interception
+        that just began, so the policy's next decisions use the client's estimate."""
+        rid = self.request_id
+
+        def poke(engine: Any) -> None:
+            req = engine.scheduler.paused.paused.get(rid)
+            if req is not None and req.interception is not None:
+                req.interception.expected_duration = seconds
+        await self.ctx.engine.run_sync(poke)
