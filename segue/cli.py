@@ -1,4 +1,4 @@
-"""The `segue` command: serve | generate | profile | bench."""
+"""The `segue` command: serve | generate | profile | sim | bench."""
 from __future__ import annotations
 
 import argparse
@@ -99,6 +99,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sim(args: argparse.Namespace) -> int:
+    from segue.sim import run_sim
+
+    return run_sim(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from segue.bench import run_bench
 
@@ -133,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--repeats", type=int, default=3)
     add_engine_args(prof)
     prof.set_defaults(func=cmd_profile)
+
+    from segue.sim import add_sim_args
+    sim = sub.add_parser("sim", help="the real scheduler on a simulated executor at paper scale")
+    add_sim_args(sim)
+    sim.set_defaults(func=cmd_sim)
 
     bench = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
     from segue.bench import add_bench_subparsers

@@ -17,16 +17,18 @@ ALL_INTERCEPTION = "discard,improved-discard,preserve,swap,ttl,min-waste"
 
 # Device KV pool assumed for each preset: vLLM's default gpu_memory_utilization (0.9) of the
 # GPUs' memory minus fp16 weights; activations and the CUDA context come out of the 10%.
-#   gptj-6b-a100:      0.9 * 80 GiB - 6.05e9 params * 2 B = 65.2 GB / 458,752 B per token
-#   vicuna-13b-2xa100: 0.9 * 2 * 80 GiB - 13.0e9 * 2 B   = 128.6 GB / 819,200 B per token
-_GPU_BYTES = {"gptj-6b-a100": (1, 80 * 2**30, 6.05e9), "vicuna-13b-2xa100": (2, 80 * 2**30, 13.0e9)}
+#   gptj-6b-a100, 80 GiB:      0.9 * 80 GiB - 6.05e9 params * 2 B = 65.2 GB / 458,752 B per token
+#   vicuna-13b-2xa100, 80 GiB: 0.9 * 2 * 80 GiB - 13.0e9 * 2 B   = 128.6 GB / 819,200 B per token
+# InferCept itself ran on AWS p4d (A100 40 GB, as LAMPS infers): --gpu-memory-gib 40.
+_GPUS_AND_PARAMS = {"gptj-6b-a100": (1, 6.05e9), "vicuna-13b-2xa100": (2, 13.0e9)}
 
 
-def default_kv_cache_tokens(preset: str, kv_bytes_per_token: int, block_size: int) -> int | None:
-    if preset not in _GPU_BYTES:
+def default_kv_cache_tokens(preset: str, kv_bytes_per_token: int, block_size: int,
+                            gpu_gib: float = 80.0) -> int | None:
+    if preset not in _GPUS_AND_PARAMS:
         return None
-    gpus, mem, params = _GPU_BYTES[preset]
-    tokens = int((0.9 * gpus * mem - 2 * params) // kv_bytes_per_token)
+    gpus, params = _GPUS_AND_PARAMS[preset]
+    tokens = int((0.9 * gpus * gpu_gib * 2**30 - 2 * params) // kv_bytes_per_token)
     return tokens // block_size * block_size
 
 
@@ -48,7 +50,8 @@ def add_workload_args(p: argparse.ArgumentParser, num_requests_default: int | No
     g = p.add_argument_group("workload")
     g.add_argument("--interception-policies", type=_names, default=_names(ALL_INTERCEPTION),
                    help=f"comma list (default: {ALL_INTERCEPTION})")
-    g.add_argument("--rates", type=_floats, default=None, help="comma list of arrival rates in req/s")
+    g.add_argument("--rates", type=_floats, default=None,
+                   help="comma list of arrival rates in req/s (default: sim 1,2,3,4,5; bench intercept 1)")
     g.add_argument("--num-requests", type=int, default=num_requests_default,
                    help="requests per run, drawn from the trace with replacement")
     g.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
@@ -69,6 +72,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="gptj-6b-a100, vicuna-13b-2xa100 or a `segue profile` JSON path")
     g.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="device KV pool in tokens (default for a preset: 0.9 of GPU memory minus fp16 weights)")
+    g.add_argument("--gpu-memory-gib", type=float, default=80.0,
+                   help="memory per GPU behind the preset's default KV pool (default: 80; InferCept's p4d: 40)")
     g.add_argument("--swap-space-tokens", type=int, default=None,
                    help="host KV pool in tokens (default: as large as the device pool)")
     g.add_argument("--block-size", type=int, default=16)
@@ -111,8 +116,10 @@ def draw(trace: list[Any], n: int, rate: float, args: argparse.Namespace) -> tup
 
 
 def plot_latency_vs_rate(rows: list[dict[str, Any]], path: str, title: str) -> None:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -123,6 +130,10 @@ def plot_latency_vs_rate(rows: list[dict[str, Any]], path: str, title: str) -> N
         pts = sorted((r["rate"], row_metrics(r)["norm_mean"]) for r in rows if r["policy"] == policy)
         pts = [(x, y) for x, y in pts if y is not None]
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=policy)
+    ys = [row_metrics(r)["norm_mean"] for r in rows]
+    ys = [y for y in ys if y]
+    if ys and max(ys) / min(ys) > 20:
+        ax.set_yscale("log")  # one collapsing policy would otherwise flatten the rest
     ax.set_xlabel("arrival rate (req/s)")
     ax.set_ylabel("mean normalized latency (s/token)")
     ax.set_title(title)
@@ -146,7 +157,8 @@ def run_sim(args: argparse.Namespace) -> int:
     else:
         raise SystemExit(f"--preset must be one of {sorted(PRESETS)} or a profile JSON path")
     bs = args.block_size
-    kv_tokens = args.kv_cache_tokens or default_kv_cache_tokens(args.preset, cost.kv_bytes_per_token, bs)
+    kv_tokens = args.kv_cache_tokens or default_kv_cache_tokens(args.preset, cost.kv_bytes_per_token, bs,
+                                                                 args.gpu_memory_gib)
     if kv_tokens is None:
         raise SystemExit("--kv-cache-tokens is required with a profile JSON")
     swap_tokens = args.swap_space_tokens if args.swap_space_tokens is not None else kv_tokens

@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-BUILTIN_MODULES: tuple[str, ...] = ("segue.bench.throughput",)
+BUILTIN_MODULES: tuple[str, ...] = ("segue.bench.throughput", "segue.bench.step_profile", "segue.bench.intercept")
 
 
 @dataclass(frozen=True)

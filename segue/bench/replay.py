@@ -57,8 +57,10 @@ class ReplayResult:
     waste: WasteTotals
     preemptions: int
     steps: int
-    # Requests still unfinished when the driver stopped (only with a deadline); normally 0.
+    # Requests still unfinished when the driver stopped (a deadline or a stall); normally 0.
     num_unfinished: int = 0
+    # The engine sat idle with unfinished requests and nothing to wait for (a scheduler deadlock).
+    stalled: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -69,8 +71,8 @@ class ReplayResult:
         summary = summarize(self.records, self.duration_s).to_dict() if self.records else None
         d: dict[str, Any] = {
             "num_requests": self.num_requests, "num_finished": self.num_finished,
-            "num_unfinished": self.num_unfinished, "duration_s": self.duration_s, "wall_s": self.wall_s,
-            "steps": self.steps, "preemptions": self.preemptions, "waste_gbs": self.waste.as_dict(),
+            "num_unfinished": self.num_unfinished, "stalled": self.stalled, "duration_s": self.duration_s,
+            "wall_s": self.wall_s, "steps": self.steps, "preemptions": self.preemptions, "waste_gbs": self.waste.as_dict(),
             "summary": summary, **self.extra,
         }
         if include_records:
@@ -89,7 +91,8 @@ def replay(engine: Any, requests: Sequence[TraceRequest], arrivals: Sequence[flo
     """Add requests[i] at start + arrivals[i] (engine clock), step the engine, and wait for the
     next event when nothing can run. `clock_wait(t)` returns once the engine clock reads >= t
     (real: sleep; simulator: advance the virtual clock). `deadline_s` (engine-clock seconds
-    after the start) stops a run that will not drain, e.g. an overloaded real engine."""
+    after the start) stops a run that will not drain, e.g. an overloaded real engine. A stalled
+    engine (idle, requests left, no event to wait for) ends the run with `stalled` set."""
     from tqdm import tqdm
 
     if len(requests) != len(arrivals):
@@ -103,6 +106,7 @@ def replay(engine: Any, requests: Sequence[TraceRequest], arrivals: Sequence[flo
     last_finish = start
     wall0 = time.perf_counter()
     nxt = 0
+    stalled = False
     bar = tqdm(total=len(requests), desc=desc, unit="req", file=sys.stderr, disable=not progress,
                dynamic_ncols=True, mininterval=1.0)
     try:
@@ -129,15 +133,16 @@ def replay(engine: Any, requests: Sequence[TraceRequest], arrivals: Sequence[flo
                                   engine.next_timer()) if t is not None]
             if not events:
                 if engine.has_unfinished_requests():
-                    raise RuntimeError("the engine is idle with unfinished requests and nothing to wait "
-                                       "for (a request that can never be scheduled?)")
+                    stalled = True
+                    print(f"{desc}: the engine is idle with {engine.num_unfinished_requests} unfinished "
+                          "requests and nothing to wait for; stopping", file=sys.stderr)
                 break
             clock_wait(min(events))
     finally:
         bar.close()
     return ReplayResult(records, len(requests), last_finish - start, time.perf_counter() - wall0,
                         engine.waste.totals, engine.scheduler.num_preemptions_total, engine.num_steps,
-                        num_unfinished=len(requests) - len(records))
+                        num_unfinished=len(requests) - len(records), stalled=stalled)
 
 
 def real_clock_wait(t: float) -> None:
@@ -182,7 +187,8 @@ def render_markdown(rows: Sequence[dict[str, Any]], slo: float, title: str) -> s
         m, w = row_metrics(r), r["waste_gbs"]
         waste = " / ".join(_f(w[k], "{:.1f}") for k in ("preserved_idle_gbs", "recompute_gbs",
                                                           "swap_stall_gbs", "total_gbs"))
-        lines.append(f"| {r['policy']} | {r['rate']:g} | {r['num_finished']}/{r['num_requests']} | "
+        done = f"{r['num_finished']}/{r['num_requests']}" + (" (stalled)" if r.get("stalled") else "")
+        lines.append(f"| {r['policy']} | {r['rate']:g} | {done} | "
                      f"{_f(m['norm_mean'])} | {_f(m['norm_p99'])} | {_f(m['ttft_mean'], '{:.2f}')} | "
                      f"{_f(m['req_s'], '{:.2f}')} | {_f(m['tok_s'], '{:.0f}')} | {waste} | {r['preemptions']} |")
     best = max_sustainable_rates(rows, slo)

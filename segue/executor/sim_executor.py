@@ -66,7 +66,9 @@ class SimExecutor(Executor):
             stall = self.cost.t_swap(copied)
             return stall, stall
         stall = self.cost.t_swap(max(0, copied - self.cost.swap_limit(batch)))
-        return self.cost.t_fwd(batch) + stall, stall
+        context = sum(s.start_pos + s.num_tokens for s in out.seqs)
+        compute = self.cost.t_fwd(batch) + self.cost.fwd_ms_per_context_token * context / 1000.0
+        return compute + stall, stall
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         dt, stall = self.step_seconds(out)

@@ -13,6 +13,9 @@ class CostModel:
     # T_fwd(tokens) = fwd_ms_per_token * tokens + fwd_base_ms (a linear fit of profiled steps).
     fwd_ms_per_token: float = 0.45
     fwd_base_ms: float = 30.0
+    # Attention reads every context token's KV each step; this is its cost per context token
+    # (used by the simulator's step time; the scheduler's decisions use T_fwd(tokens)).
+    fwd_ms_per_context_token: float = 0.0
     # Tokens per step beyond which an iteration gets slower without getting more useful work done.
     saturation_tokens: int = 256
     # Host<->device copy bandwidth and the KV footprint of one token (all layers, K and V).
@@ -66,7 +69,11 @@ def _preset(ms_per_token: float, base_ms: float, saturation: int, tokens_swapped
     """A paper setup: the bandwidth is derived from the tokens it swaps during one saturated step."""
     kv = 2 * layers * hidden * 2  # fp16 K and V
     step_s = (ms_per_token * saturation + base_ms) / 1000.0
-    return CostModel(ms_per_token, base_ms, saturation, tokens_swapped_per_step * kv / step_s, kv, device, "preset")
+    # A100 HBM ~1.5 TB/s: each decode step streams every context token's KV once.
+    return CostModel(fwd_ms_per_token=ms_per_token, fwd_base_ms=base_ms, saturation_tokens=saturation,
+                     fwd_ms_per_context_token=kv / 1.5e12 * 1000,
+                     swap_bytes_per_s=tokens_swapped_per_step * kv / step_s, kv_bytes_per_token=kv,
+                     device=device, source="preset")
 
 
 # InferCept §5 setups, used by the simulator and for what-if runs.

@@ -101,6 +101,24 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.append(request)
 
+    def _release_waiting_kv(self, head: Request) -> bool:
+        """When nothing runs, nothing will ever free memory: requests that wait while holding KV
+        (resumed preserved or swapped-in contexts) could block the head of the queue forever.
+        Drop the KV of the lowest-priority holders (they recompute later). True if any freed."""
+        if self.running:
+            return False
+        freed = False
+        for req in reversed(self.waiting):
+            if req is not head and self.kv.num_device_blocks_of(req.request_id):
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                req.num_preemptions += 1
+                self.num_preemptions_total += 1
+                freed = True
+                if self.kv.num_free_blocks >= self.kv.num_blocks_needed(head, 1):
+                    break
+        return freed
+
     # ---- one step ------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -145,7 +163,8 @@ class Scheduler:
                 num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
                 if not self.kv.allocate_slots(req, num_new, hits):
                     need = self.kv.num_blocks_needed(req, num_new) - len(hits)
-                    if not (self.paused.release_for_memory(need) and self.kv.allocate_slots(req, num_new, hits)):
+                    if not ((self.paused.release_for_memory(need) or self._release_waiting_kv(req))
+                            and self.kv.allocate_slots(req, num_new, hits)):
                         break  # head-of-line: the policy's order decides who gets memory first
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
