@@ -34,8 +34,10 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    # Tokens per step shared by prefill chunks and decodes.
-    max_num_batched_tokens: int = 512
+    # Tokens per step shared by prefill chunks and decodes. Large prefill chunks run the GEMMs
+    # more efficiently (measured on 2 CPU cores: 191 vs 165 output tok/s against 512 on the
+    # throughput benchmark) at the cost of longer steps while prompts are being prefilled.
+    max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     policy: str = "fcfs"
     # What a paused request's KV does while it waits: discard, improved-discard, preserve, swap,

@@ -1,27 +1,16 @@
 """`segue bench step-profile`: where the time of one decode step goes, by category.
 
 Fills a batch (default 64 requests of 256 prompt tokens, the throughput workload), prefills it,
-then profiles decode steps with torch.profiler and splits the wall time into: linear layers, the
-LM head, attention, KV writes, sampling, other tensor ops, and Python/scheduler time (wall minus
-the profiled op time)."""
+then profiles decode steps with cProfile and splits the wall time into: linear layers, the LM head,
+attention, other tensor ops, batch building, sampling, the scheduler, detokenization, and the
+remaining Python."""
 from __future__ import annotations
 
 import argparse
 import random
 import time
-from collections import defaultdict
 
 from segue.bench import Benchmark
-
-# Profiler op name -> category. Matched on the outermost ops the model calls.
-_CATEGORIES = {
-    "aten::linear": "linear layers", "aten::addmm": "linear layers", "aten::mm": "linear layers",
-    "segue_cpu_paged_attention.paged_decode_attention": "attention",
-    "aten::scaled_dot_product_attention": "attention", "aten::index_select": "attention",
-    "aten::index_copy_": "KV writes", "aten::argmax": "sampling", "aten::sort": "sampling",
-    "aten::topk": "sampling", "aten::log_softmax": "sampling", "aten::multinomial": "sampling",
-}
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=64)
@@ -32,7 +21,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from segue.cli import engine_config_from_args
     from segue.engine import LLMEngine
@@ -43,34 +31,54 @@ def run(args: argparse.Namespace) -> int:
     vocab = engine.model_config.vocab_size
     for _ in range(args.num_requests):
         prompt = [rng.randrange(1000, vocab - 1000) for _ in range(args.prompt_len)]
-        engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
+        engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True))
+    needed = args.num_requests * (args.prompt_len + args.steps + 8)
+    pool = engine.scheduler.kv.device.num_blocks * engine.scheduler.kv.block_size
+    if needed > pool:
+        raise SystemExit(f"the batch needs {needed} KV tokens but the pool holds {pool}: "
+                         f"pass --kv-cache-tokens {needed}")
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
         engine.step()
     for _ in range(2):
         engine.step()
-    lm_head = engine.executor.model.lm_head
-    totals: dict[str, float] = defaultdict(float)
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(args.steps):
-            engine.step()
+    profiler.enable()
+    for _ in range(args.steps):
+        engine.step()
+    profiler.disable()
     wall = (time.perf_counter() - t0) / args.steps * 1000
-    for evt in prof.key_averages(group_by_input_shape=True):
-        if evt.key not in _CATEGORIES and not evt.key.startswith("aten::"):
-            continue
-        cat = _CATEGORIES.get(evt.key, "other tensor ops")
-        if cat == "linear layers" and evt.input_shapes and any(
-                list(s) == list(lm_head.shape) for s in evt.input_shapes if s):
-            cat = "LM head"
-        totals[cat] += evt.self_cpu_time_total / 1000 / args.steps
-    # Nested ops (linear -> mm) count once: only self time is summed above.
-    profiled = sum(totals.values())
-    totals["python, scheduler, detokenizer"] = max(0.0, wall - profiled)
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+
+    def ms(match, cumulative=False) -> float:
+        total = sum(v[3] if cumulative else v[2] for k, v in stats.items() if match(k))
+        return total * 1000 / args.steps
+
+    linear = ms(lambda k: k[2].endswith("_nn.linear>") or k[2] == "<built-in method torch._C._nn.linear>")
+    lm_head = ms(lambda k: k[2] == "compute_logits", cumulative=True)
+    attention = ms(lambda k: "paged_decode_attention" in k[2] or "scaled_dot_product_attention" in k[2]
+                   or "index_select" in k[2])
+    forward = ms(lambda k: k[2] == "forward" and k[0].endswith("llama.py"), cumulative=True)
+    rows = {
+        "linear layers (QKV, O, MLP)": linear - lm_head,
+        "LM head + logits": lm_head,
+        "attention": attention,
+        "other tensor ops in the forward (norms, RoPE, SiLU, KV writes)": forward - (linear - lm_head) - attention,
+        "batch metadata (executor)": ms(lambda k: k[2] == "_build_metadata", cumulative=True),
+        "sampling": ms(lambda k: k[2] == "sample" and k[0].endswith("sampler.py"), cumulative=True),
+        "scheduler": ms(lambda k: k[2] in ("schedule", "update_from_output") and "scheduler" in k[0], cumulative=True),
+        "detokenizer + outputs": ms(lambda k: k[2] in ("append", "_make_output") and
+                                    ("detokenizer" in k[0] or "engine.py" in k[0]), cumulative=True),
+    }
+    rows["other Python"] = max(0.0, wall - sum(rows.values()))
     print(f"decode step at batch {args.num_requests}, context ~{args.prompt_len}: {wall:.1f} ms wall "
-          f"(profiler on), {args.num_requests / wall * 1000:.0f} tok/s; torch threads {torch.get_num_threads()}")
-    print("| category | ms/step | share |\n|---|---:|---:|")
-    for cat, ms in sorted(totals.items(), key=lambda kv: -kv[1]):
-        print(f"| {cat} | {ms:.1f} | {ms / wall:.0%} |")
+          f"(cProfile on), {args.num_requests / wall * 1000:.0f} tok/s; torch threads {torch.get_num_threads()}")
+    print("| part | ms/step | share |\n|---|---:|---:|")
+    for name, value in rows.items():
+        print(f"| {name} | {value:.1f} | {value / wall:.0%} |")
     return 0
 
 

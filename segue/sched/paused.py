@@ -89,11 +89,14 @@ class PausedRequests:
                 self._landing.append(req)
             elif not moved:
                 break  # no free device blocks: later requests would not fit either
+        if not self.policy.acts_on_paused:
+            return plan
         views = []
-        for req in self.paused.values():
+        tables = self.kv.tables
+        for rid, req in self.paused.items():
+            if not tables.get(rid):
+                continue  # nothing left on the device to decide about
             dev = self.device_tokens(req)
-            if dev <= 0 and not self.kv.num_device_blocks_of(req.request_id):
-                continue
             elapsed = now - req.interception.t_call
             views.append(PausedRequest(req, dev, self.kv.num_host_blocks_of(req.request_id) * bs,
                                        elapsed, req.interception.expected_duration))

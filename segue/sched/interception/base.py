@@ -52,6 +52,8 @@ class InterceptionPolicy(ABC):
     # `discard` (vLLM) sends a resumed request to the back of the queue; the others keep its
     # original arrival time.
     keeps_arrival_time: ClassVar[bool] = True
+    # False for policies that never change a paused request's KV (skips building their views).
+    acts_on_paused: ClassVar[bool] = True
 
     @abstractmethod
     def decide(self, paused: list[PausedRequest], state: StepState) -> dict[str, Decision]:

@@ -22,6 +22,7 @@ class ImprovedDiscardPolicy(DiscardPolicy):
 
 class PreservePolicy(InterceptionPolicy):
     name = "preserve"
+    acts_on_paused = False
 
     def decide(self, paused: list[PausedRequest], state: StepState) -> dict[str, Decision]:
         return {}
