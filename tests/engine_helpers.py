@@ -38,19 +38,3 @@ def run_to_completion(engine: LLMEngine, check: bool = True, max_steps: int = 10
         assert engine.scheduler.kv.num_held_blocks() == 0, "KV blocks leaked"
     return finished
 
-
-def hf_model_from_weights(config, weights: dict[str, torch.Tensor]) -> transformers.LlamaForCausalLM:
-    """A transformers Llama built from a loaded checkpoint's weights (fp32 reference forward)."""
-    hf_config = transformers.LlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
-        tie_word_embeddings=config.tie_word_embeddings)
-    model = transformers.LlamaForCausalLM(hf_config).to(torch.float32).eval()
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model

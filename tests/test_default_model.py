@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import hf_greedy, hf_model_from_weights, run_to_completion
+from engine_helpers import hf_greedy, run_to_completion
+from segue.bench.throughput import build_hf_model
 from segue.llm import LLM
 from segue.model.loader import load_checkpoint
 from segue.sampling_params import SamplingParams
@@ -26,7 +27,7 @@ def test_france_question_answers_paris(llm):
 
 def test_greedy_matches_transformers_token_for_token(llm):
     ckpt = load_checkpoint(None, dtype=torch.float32)
-    model = hf_model_from_weights(ckpt.config, ckpt.weights)
+    model = build_hf_model(ckpt, torch.device("cpu"))
     engine = llm.engine
     questions = ["Write a haiku about the sea.", "List three prime numbers.", "Who wrote Hamlet?"]
     prompts = [engine.encode(engine.apply_chat_template([{"role": "user", "content": q}])) for q in questions]

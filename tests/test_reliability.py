@@ -1,0 +1,175 @@
+"""Reliability, short form for CI: a bounded soak of a live server under a mix of normal and faulty
+clients (tests/soak), then fuzzing of every endpoint, none of which may answer 5xx.
+
+The routes parse their JSON bodies themselves, so the app's OpenAPI schema describes no request
+bodies; schemathesis alone would only ever send empty ones. The fuzz therefore (1) hands schemathesis
+a copy of the schema with the bodies filled in from the request models, and (2) fuzzes the two
+generation endpoints by hand with hypothesis: valid requests with random JSON of any type in any
+field, random messages and raw bytes.
+"""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Any, Iterator
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis.checks import not_a_server_error
+
+import test_server_support as support
+from segue.async_engine import AsyncLLMEngine
+from segue.server.app import create_app
+from segue.server.config import ServerConfig
+from segue.server.protocol import ChatCompletionRequest, CompletionRequest
+from soak.driver import SoakConfig, run_soak
+from soak.server import soak_tools
+
+pytestmark = pytest.mark.slow
+
+# ~400 requests take well under a minute on 2 cores and still hit every fault kind many times.
+SHORT_SOAK = SoakConfig(requests=400, concurrency=16, seconds=50)
+FAULT_KINDS = ("tool_raises", "tool_times_out", "disconnect_mid_stream", "client_timeout", "task_cancelled",
+               "malformed_request", "session_abandoned", "session_closed_while_held", "history_edited")
+EXAMPLES_PER_OPERATION = 25
+HAND_FUZZ_EXAMPLES = 120
+# Fuzzed generations stay short: the point is the input handling, not the decode loop.
+FUZZ_MAX_TOKENS = 16
+
+
+def test_short_soak_leaves_nothing_behind() -> None:
+    report = run_soak(SHORT_SOAK)
+    print("\n" + report.markdown())
+    assert not report.problems(), report.markdown()
+    assert report.requests >= 0.9 * SHORT_SOAK.requests, f"only {report.requests} requests in the time budget"
+    missing = [kind for kind in FAULT_KINDS if not report.faults.get(kind)]
+    assert not missing, f"fault kinds never injected: {missing}"
+
+
+# ---- fuzzing -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fuzz_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AsyncLLMEngine]:
+    # A 512-token context bounds how long any accepted request can generate.
+    engine = support.make_engine(tmp_path_factory.mktemp("fuzz"), "min-waste", context=512)
+    yield engine
+    support.shutdown(engine)
+
+
+def fuzz_app(engine: AsyncLLMEngine) -> Any:
+    config = ServerConfig(request_timeout_s=60.0, max_body_bytes=64 * 1024, session_ttl_s=5.0)
+    return create_app(engine, config=config, tools=soak_tools())
+
+
+def _cap_integers(schema: dict[str, Any], names: tuple[str, ...]) -> None:
+    for name in names:
+        prop = schema["properties"].get(name, {})
+        for branch in prop.get("anyOf", [prop]):
+            if branch.get("type") == "integer":
+                branch["maximum"] = FUZZ_MAX_TOKENS
+
+
+def with_request_bodies(openapi: dict[str, Any]) -> dict[str, Any]:
+    """The app's schema plus JSON request bodies for the generation endpoints, from their models."""
+    doc = copy.deepcopy(openapi)
+    components = doc.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest)):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(schema.pop("$defs", {}))
+        _cap_integers(schema, ("max_tokens", "max_completion_tokens"))
+        doc["paths"][path]["post"]["requestBody"] = {
+            "required": True, "content": {"application/json": {"schema": schema}}}
+    return doc
+
+
+def test_openapi_fuzz_has_no_server_errors(fuzz_engine: AsyncLLMEngine) -> None:
+    app = fuzz_app(fuzz_engine)
+    app.openapi_schema = with_request_bodies(app.openapi())  # what /openapi.json serves from now on
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    failures: list[str] = []
+    statuses: Counter = Counter()
+    try:
+        for result in schema.get_all_operations():
+            operation = result.ok()
+            modes = [schemathesis.GenerationMode.POSITIVE]
+            if operation.body:  # schema-violating bodies, where there is a body to violate
+                modes.append(schemathesis.GenerationMode.NEGATIVE)
+            for mode in modes:
+                @given(case=operation.as_strategy(generation_mode=mode))
+                @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True, database=None,
+                          phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+                def probe(case: Any) -> None:
+                    response = case.call()
+                    statuses[f"{operation.label} {response.status_code}"] += 1
+                    try:
+                        case.validate_response(response, checks=[not_a_server_error])
+                    except Exception as e:  # a check failure; collected so one run shows them all
+                        failures.append(f"{case.as_curl_command()} -> {response.status_code}: {e}")
+                probe()
+    finally:
+        # The in-process transport keeps the app's lifespan open; end it before the engine goes.
+        from schemathesis.python.asgi import shutdown_lifespans
+        shutdown_lifespans()
+    print("\nschemathesis statuses:", dict(sorted(statuses.items())))
+    assert sum(statuses.values()) > 100
+    assert not failures, "\n".join(failures[:10])
+    support.wait_idle(fuzz_engine, timeout=30)
+
+
+_scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=12)
+json_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
+CHAT_FIELDS = sorted(ChatCompletionRequest.model_fields)
+COMPLETION_FIELDS = sorted(CompletionRequest.model_fields)
+MESSAGE_FIELDS = ["role", "content", "name", "tool_calls", "tool_call_id"]
+messages = st.lists(st.dictionaries(st.sampled_from(MESSAGE_FIELDS), json_values | st.sampled_from(
+    ["user", "assistant", "tool", "system", "developer"]), max_size=5), max_size=3)
+
+
+@st.composite
+def bodies(draw: st.DrawFn, fields: list[str], base: dict[str, Any]) -> Any:
+    """A valid request with a few fields replaced by random JSON; sometimes not an object at all."""
+    if draw(st.integers(0, 9)) == 0:
+        return draw(json_values)
+    body = dict(base)
+    for name in draw(st.lists(st.sampled_from(fields), min_size=1, max_size=4, unique=True)):
+        body[name] = draw(messages) if name == "messages" and draw(st.booleans()) else draw(json_values)
+    # Any accepted request must still end quickly; max_tokens itself is fuzzed by schemathesis.
+    if not (isinstance(body.get("max_tokens"), int) and 0 < body["max_tokens"] <= FUZZ_MAX_TOKENS):
+        body["max_tokens"] = FUZZ_MAX_TOKENS
+    body.pop("max_completion_tokens", None)
+    return body
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(fuzz_engine: AsyncLLMEngine) -> Iterator[str]:
+    with support.ServerThread(fuzz_app(fuzz_engine)) as server:
+        yield server.url
+
+
+@pytest.mark.parametrize("path,fields,base", [
+    ("/v1/chat/completions", CHAT_FIELDS, {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", COMPLETION_FIELDS, {"prompt": "hi"}),
+])
+def test_hand_fuzzed_bodies_have_no_server_errors(fuzz_server: str, fuzz_engine: AsyncLLMEngine, path: str,
+                                                  fields: list[str], base: dict[str, Any]) -> None:
+    statuses: Counter = Counter()
+    with httpx.Client(base_url=fuzz_server, timeout=60) as http:
+        @given(body=bodies(fields, base), raw=st.none() | st.binary(max_size=64))
+        @settings(max_examples=HAND_FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        def probe(body: Any, raw: bytes | None) -> None:
+            if raw is not None and raw[:1] == b"\x00":  # now and then, bytes that are not JSON at all
+                response = http.post(path, content=raw)
+            else:
+                response = http.post(path, json=body)
+            statuses[response.status_code] += 1
+            assert response.status_code < 500, f"{body!r} -> {response.status_code}: {response.text[:300]}"
+            if response.status_code >= 400:
+                assert "error" in response.json(), response.text[:300]
+        probe()
+    print(f"\n{path} statuses:", dict(sorted(statuses.items())))
+    assert statuses[200] > 0, "no fuzzed request was valid: the fuzz never reached the engine"
+    support.wait_idle(fuzz_engine, timeout=30)
