@@ -108,15 +108,22 @@ class Scheduler:
         if self.running:
             return False
         freed = False
-        for req in reversed(self.waiting):
-            if req is not head and self.kv.num_device_blocks_of(req.request_id):
+        # Partly swapped-in requests first (their host prefix is kept; the device part will be
+        # recomputed after it), then waiting holders from the back of the queue.
+        holders = list(self.paused.swapped) + list(reversed(self.waiting))
+        for req in holders:
+            if req is head or not self.kv.num_device_blocks_of(req.request_id):
+                continue
+            if req.status == RequestStatus.SWAPPED:
+                self.kv.discard_device_blocks(req)
+            else:
                 self.kv.free(req)
                 req.num_computed_tokens = 0
-                req.num_preemptions += 1
-                self.num_preemptions_total += 1
-                freed = True
-                if self.kv.num_free_blocks >= self.kv.num_blocks_needed(head, 1):
-                    break
+            req.num_preemptions += 1
+            self.num_preemptions_total += 1
+            freed = True
+            if self.kv.num_free_blocks >= self.kv.num_blocks_needed(head, 1):
+                break
         return freed
 
     # ---- one step ------------------------------------------------------------------------
