@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup serve test test-fast bench clean
+.PHONY: setup serve test test-fast bench soak clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# Reliability soak against a live server on loopback (the short form runs in `make test`).
+soak: setup
+	$(PY) -m tests.soak.run --requests 3000 --concurrency 32 --json soak.json
 
 bench: setup
 	$(VENV)/bin/segue bench throughput

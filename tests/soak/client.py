@@ -92,14 +92,11 @@ class Client:
         self.record(response.status_code)
         return response
 
-    async def chat(self, body: dict[str, Any], timeout: float | None = None, got_status: list[int] | None = None
-                   ) -> Chat:
+    async def chat(self, body: dict[str, Any], got_status: list[int] | None = None) -> Chat:
         """POST /v1/chat/completions, streamed when body["stream"], read to the end. `got_status`
         receives the status as soon as it is known (for callers that may cancel mid-response)."""
         got_status = [] if got_status is None else got_status
         kwargs: dict[str, Any] = {"json": body}
-        if timeout is not None:
-            kwargs["timeout"] = timeout
         if not body.get("stream"):
             r = await self.send("POST", "/v1/chat/completions", **kwargs)
             got_status.append(r.status_code)

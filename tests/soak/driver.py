@@ -22,7 +22,7 @@ import httpx
 
 from .client import Client, Tally
 from .scenarios import MIX
-from .server import ServerSettings, SoakServer, is_idle, server_probe
+from .server import ServerSettings, SoakServer, is_idle, queue_dump, server_probe
 
 
 @dataclass
@@ -32,11 +32,15 @@ class SoakConfig:
     seconds: float = 60.0         # time budget for starting scenarios
     seed: int = 0
     policy: str = "min-waste"     # the engine's interception policy (the server's default)
+    kv_cache_tokens: int = 2048   # device KV pool (see ServerSettings)
     session_ttl_s: float = 3.0
     request_timeout_s: float = 30.0
     deadline_s: float = 45.0      # a scenario still running after this is hung
     invariant_every_s: float = 2.0
     probe_every_s: float = 0.5    # engine/server state sampled this often for the peaks
+    # Requests queued, none running and no engine step for this long: the scheduler is stuck (a
+    # working engine schedules a queued request at its next step, or preempts to make room).
+    stall_after_s: float = 3.0
     # RSS is compared from the end of warm-up (allocator pools, tokenizer and template caches,
     # torch's per-shape kernels and prometheus series all fill up early) to the end.
     warmup_fraction: float = 0.2
@@ -61,6 +65,8 @@ class SoakReport:
     unexpected_samples: list[str] = field(default_factory=list)
     hung: int = 0
     invariant_checks: int = 0
+    stalls: int = 0
+    stall_dumps: list[list[str]] = field(default_factory=list)
     invariant_failures: list[str] = field(default_factory=list)
     drained: bool = False
     # Highest values seen under load: device/host blocks in use, paused and swapped requests, sessions.
@@ -80,6 +86,7 @@ class SoakReport:
         checks = [(self.server_5xx, "5xx responses"), (self.inband_errors, "in-band stream errors"),
                   (sum(self.unexpected.values()), "unexpected outcomes"), (self.hung, "hung scenarios"),
                   (len(self.invariant_failures), "invariant failures"),
+                  (self.stalls, "engine stalls (requests queued, nothing running, no steps)"),
                   (self.leaked_device_blocks, "leaked device KV blocks"),
                   (self.leaked_host_blocks, "leaked host KV blocks")]
         out += [f"{n} {what}" for n, what in checks if n]
@@ -90,24 +97,30 @@ class SoakReport:
         return out
 
     def markdown(self) -> str:
-        rss = self.rss_mib
+        rss, peaks, final = self.rss_mib, self.peaks, self.final
+        faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items()))
         rows = [
             ("HTTP requests", f"{self.requests} in {self.duration_s:.1f} s "
                               f"({self.requests / max(self.duration_s, 1e-9):.1f}/s), "
                               f"{sum(self.scenarios.values())} scenarios, concurrency {self.config['concurrency']}"),
-            ("faults injected", f"{self.faults_injected}: " + ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items()))),
+            ("faults injected", f"{self.faults_injected}: {faults}"),
             ("responses by status", ", ".join(f"{k}: {v}" for k, v in sorted(self.statuses.items()))),
             ("5xx (client-seen / in-band stream errors)", f"{self.server_5xx} / {self.inband_errors}"),
             ("unexpected outcomes", str(sum(self.unexpected.values()))),
             ("hung scenarios (> deadline)", f"{self.hung} (deadline {self.config['deadline_s']:g} s)"),
             ("invariant checks under load (failures)", f"{self.invariant_checks} ({len(self.invariant_failures)})"),
-            ("engine pressure (peak device / host blocks used, peak paused / swapped / sessions, preemptions)",
-             f"{self.peaks.get('device_used_blocks', 0)}/{self.final.get('device_blocks_total')} / "
-             f"{self.peaks.get('host_used_blocks', 0)}, {self.peaks.get('paused', 0)} / {self.peaks.get('swapped', 0)}"
-             f" / {self.peaks.get('sessions', 0)}, {self.final.get('preemptions_total', 0)}"),
-            ("leaked KV blocks after drain (device / host)", f"{self.leaked_device_blocks} / {self.leaked_host_blocks}"),
+            (f"engine stalls (queued, nothing running, no step for {self.config['stall_after_s']:g} s)",
+             str(self.stalls)),
+            ("peak KV blocks in use (device / host)",
+             f"{peaks.get('device_used_blocks', 0)}/{final.get('device_blocks_total')} / "
+             f"{peaks.get('host_used_blocks', 0)}"),
+            ("peak paused / swapped requests, open sessions; preemptions",
+             f"{peaks.get('paused', 0)} / {peaks.get('swapped', 0)}, {peaks.get('sessions', 0)}; "
+             f"{final.get('preemptions_total', 0)}"),
+            ("leaked KV blocks after drain (device / host)",
+             f"{self.leaked_device_blocks} / {self.leaked_host_blocks}"),
             ("left after drain (requests / paused / sessions)",
-             f"{self.final.get('requests')} / {self.final.get('paused')} / {self.final.get('sessions')}"),
+             f"{final.get('requests')} / {final.get('paused')} / {final.get('sessions')}"),
             ("RSS MiB (boot / after warm-up / mid / end)",
              " / ".join(f"{rss.get(k, float('nan')):.0f}" for k in ("boot", "warm", "mid", "end"))),
             ("RSS growth after warm-up", f"{self.rss_growth:+.1%} (limit {self.config['max_rss_growth']:.0%})"),
@@ -115,6 +128,8 @@ class SoakReport:
         lines = ["| figure | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
         problems = self.problems()
         lines.append("\n" + ("**PASS**" if not problems else "**FAIL**: " + "; ".join(problems)))
+        if self.stall_dumps:
+            lines += ["", "First stall, engine queues:"] + [f"    {row}" for row in self.stall_dumps[0]]
         if self.unexpected_samples:
             lines += ["", "Unexpected (samples):"] + [f"- {s}" for s in self.unexpected_samples]
         return "\n".join(lines)
@@ -178,11 +193,21 @@ async def drive(srv: SoakServer, cfg: SoakConfig) -> SoakReport:
 
     async def monitor() -> None:
         last_check = time.monotonic()
+        last_step = (-1, time.monotonic())
+        stalled = False
         while True:
             await asyncio.sleep(cfg.probe_every_s)
             probe = await server_probe(srv)
             for key in ("device_used_blocks", "host_used_blocks", "paused", "swapped", "sessions"):
                 report.peaks[key] = max(report.peaks.get(key, 0), probe[key])
+            now = time.monotonic()
+            if probe["steps_total"] != last_step[0] or probe["running"] or not probe["waiting"] + probe["swapped"]:
+                last_step, stalled = (probe["steps_total"], now), False
+            elif now - last_step[1] >= cfg.stall_after_s and not stalled:
+                stalled = True  # one count per episode
+                report.stalls += 1
+                if len(report.stall_dumps) < 3:
+                    report.stall_dumps.append(await srv.engine.run_sync(queue_dump))  # type: ignore[union-attr]
             if time.monotonic() - last_check >= cfg.invariant_every_s:
                 last_check = time.monotonic()
                 await check_invariants(srv, report)
@@ -190,7 +215,13 @@ async def drive(srv: SoakServer, cfg: SoakConfig) -> SoakReport:
                 if key not in report.rss_mib and progress() >= at:
                     report.rss_mib[key] = sample_rss()
 
-    watcher = asyncio.create_task(monitor())
+    async def guarded_monitor() -> None:
+        try:
+            await monitor()
+        except Exception as e:  # the engine died under us: say so instead of dying silently
+            report.invariant_failures.append(f"monitor stopped: {type(e).__name__}: {e}")
+
+    watcher = asyncio.create_task(guarded_monitor())
     try:
         await asyncio.gather(*(worker() for _ in range(cfg.concurrency)))
     finally:
@@ -243,6 +274,6 @@ async def finish(srv: SoakServer, cfg: SoakConfig, report: SoakReport, tally: Ta
 def run_soak(cfg: SoakConfig) -> SoakReport:
     """Start a server, soak it, drain it, stop it (blocking; call from a thread without a running loop)."""
     settings = ServerSettings(policy=cfg.policy, concurrency=cfg.concurrency, session_ttl_s=cfg.session_ttl_s,
-                              request_timeout_s=cfg.request_timeout_s)
+                              request_timeout_s=cfg.request_timeout_s, kv_cache_tokens=cfg.kv_cache_tokens)
     with SoakServer(settings) as srv:
         return asyncio.run(drive(srv, cfg))

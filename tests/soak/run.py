@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=defaults.seconds, help="time budget for starting scenarios")
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--policy", default=defaults.policy, help="interception policy")
+    p.add_argument("--kv-cache-tokens", type=int, default=defaults.kv_cache_tokens, help="device KV pool")
     p.add_argument("--session-ttl", type=float, default=defaults.session_ttl_s)
     p.add_argument("--deadline", type=float, default=defaults.deadline_s, help="per-scenario hang deadline (s)")
     p.add_argument("--max-rss-growth", type=float, default=defaults.max_rss_growth)
@@ -29,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     # The server logs every expected failure (tool errors, aborts) at warning level; keep the summary readable.
     logging.basicConfig(level=logging.ERROR)
     cfg = dataclasses.replace(defaults, requests=args.requests, concurrency=args.concurrency, seconds=args.seconds,
-                              seed=args.seed, policy=args.policy, session_ttl_s=args.session_ttl,
+                              seed=args.seed, policy=args.policy, kv_cache_tokens=args.kv_cache_tokens,
+                              session_ttl_s=args.session_ttl,
                               deadline_s=args.deadline, max_rss_growth=args.max_rss_growth)
     report = run_soak(cfg)
     print(report.markdown())

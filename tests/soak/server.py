@@ -7,6 +7,7 @@ them back and wrong for thousands of requests whose memory we measure, so SoakSc
 """
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
 import tempfile
@@ -22,7 +23,9 @@ if str(_TESTS) not in sys.path:
 
 import test_server_support as support  # noqa: E402
 
+from conftest import make_tiny_checkpoint  # noqa: E402
 from segue.async_engine import AsyncLLMEngine  # noqa: E402
+from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig  # noqa: E402
 from segue.engine import LLMEngine  # noqa: E402
 from segue.executor.base import SampledToken  # noqa: E402
 from segue.sched.output import SchedulerOutput  # noqa: E402
@@ -112,9 +115,28 @@ def install_soak_script(engine: AsyncLLMEngine) -> SoakScript:
     return support.on_engine(engine, install)
 
 
+def make_soak_engine(directory: pathlib.Path, policy: str, kv_cache_tokens: int, swap_space_tokens: int,
+                     context: int = 2048) -> AsyncLLMEngine:
+    """support.make_engine with a KV cache sized by the caller: the soak wants the device pool small
+    enough that concurrent requests and held sessions force swaps and preemptions."""
+    path = make_tiny_checkpoint(directory / "tiny-llama")
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    config["max_position_embeddings"] = context
+    config_file.write_text(json.dumps(config))
+    return AsyncLLMEngine(LLMEngine(EngineConfig(
+        model=ModelLoadConfig(model=str(path), dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=16, kv_cache_tokens=kv_cache_tokens, swap_space_tokens=swap_space_tokens),
+        scheduler=SchedulerConfig(interception_policy=policy))))
+
+
 @dataclass
 class ServerSettings:
     policy: str = "min-waste"
+    # 128 device blocks: a full context (2048 tokens) still fits alone, but 16 concurrent requests
+    # plus held sessions do not, so the scheduler must swap, discard and preempt.
+    kv_cache_tokens: int = 2048
+    swap_space_tokens: int = 4096
     concurrency: int = 16
     # Short enough that abandoned sessions expire during the run (and the final wait stays short).
     session_ttl_s: float = 3.0
@@ -134,7 +156,7 @@ class SoakServer:
 
     def __enter__(self) -> "SoakServer":
         s = self.settings
-        self.engine = support.make_engine(self.directory, s.policy)
+        self.engine = make_soak_engine(self.directory, s.policy, s.kv_cache_tokens, s.swap_space_tokens)
         try:
             self.script = install_soak_script(self.engine)
             # Room above the client's concurrency: 429s would hide the faults we mean to inject.
@@ -177,6 +199,24 @@ def engine_probe(e: LLMEngine) -> dict[str, int]:
         # Counters, for the report: the soak is only as good as the pressure it put on the engine.
         "preemptions_total": s.num_preemptions_total, "steps_total": e.num_steps,
     }
+
+
+def queue_dump(e: LLMEngine) -> list[str]:
+    """Where every request is and what KV it holds: the evidence when the engine stops making progress."""
+    s, kv = e.scheduler, e.scheduler.kv
+    rows, empty = [], 0
+    for rid, req in s.requests.items():
+        device, host = kv.num_device_blocks_of(rid), kv.num_host_blocks_of(rid)
+        if not device and not host:
+            empty += 1  # queued with nothing held: not part of who holds the pool
+            continue
+        where = ("running" if req in s.running else "waiting" if req in s.waiting else
+                 "paused" if rid in s.paused.paused else "swapped" if req in s.paused.swapped else "landing")
+        rows.append(f"{where} {req.status.name} tokens={req.num_tokens} computed={req.num_computed_tokens} "
+                    f"device_blocks={device} host_blocks={host}")
+    return ([f"free device blocks {kv.num_free_blocks}/{kv.device.num_blocks}; running {len(s.running)}, "
+             f"waiting {len(s.waiting)}, swapped {len(s.paused.swapped)}; holders of KV:"]
+            + sorted(rows) + [f"({empty} more requests hold no KV)"])
 
 
 async def server_probe(srv: SoakServer) -> dict[str, int]:
