@@ -107,7 +107,12 @@ def _checked_replay(engine, reqs, arrivals, seed=0):
 
 @pytest.fixture(scope="module")
 def trace() -> list[TraceRequest]:
-    return load_infercept()
+    # The trace is shared data beside the checkout (../shared/workloads), never copied into the
+    # repo; a checkout without it skips these tests and says why.
+    try:
+        return load_infercept()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
 
 
 @pytest.mark.parametrize("policy", sorted(INTERCEPTION_POLICIES))
