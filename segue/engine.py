@@ -219,13 +219,24 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         now = self.clock()
+        ended: list[RequestOutput] = []
         for rid, tokens in self.trace.pop_due(now):
-            if rid in self._states:
-                self.resume(rid, tokens)
+            state = self._states.get(rid)
+            if state is None:
+                continue
+            if state.request.num_tokens + len(tokens) >= self.max_model_len:
+                # The script outgrows the context: end this request, not the step.
+                self.scheduler.finish_request(state.request, RequestStatus.FINISHED_LENGTH)
+                state.metrics.finished_time = now
+                del self._states[rid]
+                self.trace.remove(rid)
+                ended.append(self._make_output(state))
+                continue
+            self.resume(rid, tokens)
         out = self.scheduler.schedule(now)
-        self.last_step_idle = out.is_empty
+        self.last_step_idle = out.is_empty and not ended
         if out.is_empty:
-            return []
+            return ended
         for seq in out.seqs:
             state = self._states[seq.request.request_id]
             if state.metrics.first_scheduled_time is None:
@@ -242,7 +253,7 @@ class LLMEngine:
         got_token = self.scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
         self._record_waste(out, step_s)
         now = self.clock()
-        outputs = []
+        outputs = ended
         for req in got_token:
             state = self._states[req.request_id]
             token = req.output_token_ids[-1]

@@ -105,3 +105,15 @@ def test_abort_while_paused_and_while_swapped_frees_everything(tiny):
     engine.abort_request("b")
     engine.check_invariants()
     assert engine.scheduler.kv.num_held_blocks() == 0 and not engine.scheduler.kv.host_tables
+
+
+def test_script_that_outgrows_the_context_ends_alone(tiny):
+    path, _ = tiny
+    engine = make_engine(path, "preserve")  # tiny model: 512-token context
+    engine.add_request("plain", list(range(1000, 1010)), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    engine.add_request("r", [1000] * 400, SamplingParams(temperature=0),
+                       script=[TraceSegment(10, 0.0, [2000] * 200, kind="tool"), TraceSegment(5)])
+    results = run_to_completion(engine)
+    assert results["r"].outputs[0].finish_reason == "length"
+    assert results["plain"].outputs[0].finish_reason == "length"
+    assert len(results["plain"].outputs[0].token_ids) == 30
