@@ -52,7 +52,8 @@ class ServerThread:
         self.sock.close()
 
 
-def make_engine(directory: pathlib.Path, policy: str = "preserve", context: int = 2048) -> AsyncLLMEngine:
+def make_engine(directory: pathlib.Path, policy: str = "preserve", context: int = 2048,
+                kv_cache_tokens: int = 8192, swap_space_tokens: int = 4096) -> AsyncLLMEngine:
     """A tiny random Llama whose context fits a tool prompt (the checkpoint's own is 512)."""
     path = make_tiny_checkpoint(directory / "tiny-llama")
     config_file = path / "config.json"
@@ -61,7 +62,7 @@ def make_engine(directory: pathlib.Path, policy: str = "preserve", context: int 
     config_file.write_text(json.dumps(config))
     return AsyncLLMEngine(LLMEngine(EngineConfig(
         model=ModelLoadConfig(model=str(path), dtype="float32", device="cpu"),
-        cache=CacheConfig(block_size=16, kv_cache_tokens=8192, swap_space_tokens=4096),
+        cache=CacheConfig(block_size=16, kv_cache_tokens=kv_cache_tokens, swap_space_tokens=swap_space_tokens),
         scheduler=SchedulerConfig(interception_policy=policy))))
 
 

@@ -7,7 +7,6 @@ them back and wrong for thousands of requests whose memory we measure, so SoakSc
 """
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 import tempfile
@@ -23,9 +22,7 @@ if str(_TESTS) not in sys.path:
 
 import test_server_support as support  # noqa: E402
 
-from conftest import make_tiny_checkpoint  # noqa: E402
 from segue.async_engine import AsyncLLMEngine  # noqa: E402
-from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig  # noqa: E402
 from segue.engine import LLMEngine  # noqa: E402
 from segue.executor.base import SampledToken  # noqa: E402
 from segue.sched.output import SchedulerOutput  # noqa: E402
@@ -117,17 +114,9 @@ def install_soak_script(engine: AsyncLLMEngine) -> SoakScript:
 
 def make_soak_engine(directory: pathlib.Path, policy: str, kv_cache_tokens: int, swap_space_tokens: int,
                      context: int = 2048) -> AsyncLLMEngine:
-    """support.make_engine with a KV cache sized by the caller: the soak wants the device pool small
-    enough that concurrent requests and held sessions force swaps and preemptions."""
-    path = make_tiny_checkpoint(directory / "tiny-llama")
-    config_file = path / "config.json"
-    config = json.loads(config_file.read_text())
-    config["max_position_embeddings"] = context
-    config_file.write_text(json.dumps(config))
-    return AsyncLLMEngine(LLMEngine(EngineConfig(
-        model=ModelLoadConfig(model=str(path), dtype="float32", device="cpu"),
-        cache=CacheConfig(block_size=16, kv_cache_tokens=kv_cache_tokens, swap_space_tokens=swap_space_tokens),
-        scheduler=SchedulerConfig(interception_policy=policy))))
+    """The test server's engine with a KV cache sized by the caller: the soak wants the device pool
+    small enough that concurrent requests and held sessions force swaps and preemptions."""
+    return support.make_engine(directory, policy, context, kv_cache_tokens, swap_space_tokens)
 
 
 @dataclass
