@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -40,6 +41,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     policy: str = "fcfs"
+    # Per-policy knobs (e.g. {"starvation_threshold": 100}); each policy documents its own.
+    policy_options: dict[str, Any] = field(default_factory=dict)
     # What a paused request's KV does while it waits: discard, improved-discard, preserve, swap,
     # ttl or min-waste (see segue/sched/interception).
     interception_policy: str = "min-waste"

@@ -16,7 +16,7 @@ from segue.request import Request, RequestStatus
 from segue.sampling_params import InvalidRequestError, SamplingParams
 from segue.sched.cost_model import CostModel, default_profile_path
 from segue.sched.interception import make_interception_policy
-from segue.sched.policies import make_policy
+from segue.sched.policies import PolicyContext, make_policy
 from segue.sched.scheduler import Scheduler
 from segue.sched.waste import WasteMeter
 from segue.tools.stats import DurationStats
@@ -66,7 +66,9 @@ class LLMEngine:
         interception = make_interception_policy(config.scheduler.interception_policy)
         if hasattr(interception, "quantile_fn"):
             interception.quantile_fn = lambda tool, q: self.tool_stats.quantile(tool, q) if tool else None
-        self.scheduler = Scheduler(config.scheduler, kv, make_policy(config.scheduler.policy),
+        policy_context = PolicyContext(self.cost_model, pool_tokens, executor.block_size, self.tool_stats,
+                                       dict(config.scheduler.policy_options))
+        self.scheduler = Scheduler(config.scheduler, kv, make_policy(config.scheduler.policy, policy_context),
                                    self.max_model_len, interception, self.cost_model)
         self.waste = WasteMeter(self.cost_model.kv_bytes_per_token, executor.block_size)
         self.trace = TraceReplayer()

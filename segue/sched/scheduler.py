@@ -47,6 +47,8 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
+        # The clock of the latest step; hooks called between steps (finish, abort) use it.
+        self.now = 0.0
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -55,6 +57,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.policy.on_arrival(request, self.now)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Remove a request for good and free its KV (idempotent)."""
@@ -69,7 +72,7 @@ class Scheduler:
         self.paused.remove(request)
         request.status = status
         self.kv.free(request)
-        self.policy.on_finished(request, 0.0)
+        self.policy.on_finished(request, self.now)
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -83,10 +86,12 @@ class Scheduler:
         assert request.status == RequestStatus.RUNNING, f"cannot intercept a {request.status} request"
         self.running.remove(request)
         self.paused.intercept(request, now, tool, expected_s)
+        self.policy.on_intercepted(request, now)
 
     def resume_request(self, request: Request, tokens: list[int], now: float) -> None:
         if self.paused.resume(request, tokens, now):
             self.waiting.append(request)
+        self.policy.on_resumed(request, now)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -128,6 +133,8 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
+        self.now = now
+        self.policy.on_step(now)
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         key = lambda r: self.policy.key(r, now)  # noqa: E731

@@ -2,23 +2,55 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from segue.request import Request
+from segue.sched.cost_model import CostModel
+
+
+@dataclass
+class PolicyContext:
+    """What a policy may consult besides the requests themselves: the profiled step cost, the
+    KV pool's size, the learned tool durations, and per-policy options from the config."""
+    cost: CostModel = field(default_factory=CostModel)
+    kv_capacity_tokens: int = 16384
+    block_size: int = 16
+    # Any object with `quantile(tool, q) -> float | None` (segue.tools.stats.DurationStats).
+    tool_stats: Any = None
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 class SchedulingPolicy(ABC):
     """Orders requests: the scheduler serves running and waiting requests in ascending key
-    order and preempts the running request with the largest key when memory runs out."""
+    order and preempts the running request with the largest key when memory runs out.
+
+    The hooks let stateful policies track service and predictions; `now` is the scheduler's
+    clock (virtual in the simulator)."""
 
     name: ClassVar[str]
+
+    def __init__(self, context: PolicyContext | None = None) -> None:
+        self.context = context or PolicyContext()
 
     @abstractmethod
     def key(self, request: Request, now: float) -> Any:
         ...
 
+    def on_arrival(self, request: Request, now: float) -> None:
+        """Called once when a request enters the scheduler."""
+
+    def on_step(self, now: float) -> None:
+        """Called at the start of every scheduling step, before any key is computed."""
+
     def on_scheduled(self, request: Request, num_tokens: int, now: float) -> None:
         """Called for each request that ran this step (stateful policies track service)."""
+
+    def on_intercepted(self, request: Request, now: float) -> None:
+        """Called when a running request pauses for a tool or a human turn."""
+
+    def on_resumed(self, request: Request, now: float) -> None:
+        """Called when a paused request gets its appended tokens and may run again."""
 
     def on_finished(self, request: Request, now: float) -> None:
         """Called once when a request leaves the system."""
