@@ -93,6 +93,11 @@ class Request:
     interceptions: list[Interception] = field(default_factory=list)
     # Arrival time the scheduler orders by; `discard` resets it at each resume, others keep it.
     sched_arrival_time: float = -1.0
+    # Online predictions (segue/predict), set by the engine at arrival and after each resume:
+    # tokens the request will generate before its next interception or its end, and how long
+    # its next interception will last. None: no prediction (policies fall back to defaults).
+    predicted_output_tokens: float | None = None
+    predicted_interception_s: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
