@@ -76,10 +76,47 @@ class ModelLoadConfig:
 
 
 @dataclass
+class PredictorConfig:
+    """Online predictors (segue/predict): output lengths and tool durations for the policies."""
+    enabled: bool = True
+    # "hidden": once a segment's prefill completes, refine the prompt-feature guess with the served
+    # model's final hidden state of its last prompt token (TRAIL); executors without hidden states
+    # (the simulator) fall back to prompt features. "prompt": prompt features only.
+    feature_source: str = "hidden"
+    # Relative sigma of Gaussian noise added to every prediction (LAMPS §6.4 sensitivity studies).
+    noise_sigma: float = 0.0
+    seed: int = 0
+    # Finished segments the output-length regressors refit on (recent traffic, bounded cost).
+    window: int = 512
+    ridge_alpha: float = 1.0
+    # The hidden state is randomly projected to this many dimensions before regression.
+    hidden_dims: int = 32
+    # Which quantile of a tool's observed durations predicts its next call (0.5: the median).
+    tool_quantile: float = 0.5
+    # Cap output-length predictions at what max_tokens still allows. Right for real clients; in
+    # trace replay max_tokens is the script's exact total, so the cap leaks the truth into the last
+    # segment's prediction (InferCept trace, 300 requests: MAE 33 capped vs 36 uncapped).
+    clip_to_max_tokens: bool = True
+
+    def validate(self) -> None:
+        if self.feature_source not in ("hidden", "prompt"):
+            raise ConfigError(f"unknown predictor feature_source {self.feature_source!r} (hidden, prompt)")
+        if not self.noise_sigma >= 0:
+            raise ConfigError("predictor noise_sigma must be >= 0")
+        if self.window < 1 or self.hidden_dims < 1:
+            raise ConfigError("predictor window and hidden_dims must be >= 1")
+        if not self.ridge_alpha > 0:
+            raise ConfigError("predictor ridge_alpha must be > 0")
+        if not 0.0 <= self.tool_quantile <= 1.0:
+            raise ConfigError("predictor tool_quantile must be in [0, 1]")
+
+
+@dataclass
 class EngineConfig:
     model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    predictor: PredictorConfig = field(default_factory=PredictorConfig)
     # Torch threads for the executor; None leaves torch's default.
     num_threads: int | None = None
 
@@ -87,4 +124,5 @@ class EngineConfig:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
+        self.predictor.validate()
         return self

@@ -12,6 +12,7 @@ from segue.detokenizer import IncrementalDetokenizer
 from segue.executor.base import Executor
 from segue.kv.manager import KVCacheManager
 from segue.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from segue.predict import OnlinePredictors
 from segue.request import Request, RequestStatus
 from segue.sampling_params import InvalidRequestError, SamplingParams
 from segue.sched.cost_model import CostModel, default_profile_path
@@ -39,6 +40,8 @@ class RequestState:
     tool_calls: list | None = None
     # The client's hint of how long its tool calls take (extra_body expected_tool_seconds).
     expected_tool_s: float | None = None
+    # Paused at a stop (pause_on_stop): the turn is over, its output reads as finished with "stop".
+    turn_ended: bool = False
 
 
 class LLMEngine:
@@ -63,6 +66,7 @@ class LLMEngine:
                             config.cache.enable_prefix_caching, config.cache.prefix_cache_salt)
         self.cost_model = self._load_cost_model(config, executor)
         self.tool_stats = DurationStats()
+        self.predictors = OnlinePredictors(config.predictor, self.tool_stats, executor)
         interception = make_interception_policy(config.scheduler.interception_policy)
         if hasattr(interception, "quantile_fn"):
             interception.quantile_fn = lambda tool, q: self.tool_stats.quantile(tool, q) if tool else None
@@ -152,6 +156,8 @@ class LLMEngine:
         if rid in self._states:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         self._states[rid] = state
+        # Predict before the scheduler's policy sees the request: its arrival hook may read them.
+        self.predictors.on_arrival(state.request, state.expected_tool_s)
         self.scheduler.add_request(state.request)
         return state.request
 
@@ -174,6 +180,7 @@ class LLMEngine:
         """Pause a request that just produced a token (a tool call, a human turn). Its KV then
         follows the interception policy until resume()."""
         req = self._states[request_id].request
+        self.predictors.on_intercept(req, tool, expected_s)
         if expected_s is None and tool is not None:
             expected_s = self.tool_stats.expected(tool)
         self.scheduler.intercept_request(req, self.clock(), tool, expected_s)
@@ -192,9 +199,12 @@ class LLMEngine:
             req.sampling_params = SamplingParams(**{**params.__dict__,
                                                     "max_tokens": req.num_generated_tokens + params.max_tokens})
         state.tool_calls = None
+        state.turn_ended = False
+        req.stop_reason = None
         if req.interception.tool is not None:
             self.tool_stats.observe(req.interception.tool, self.clock() - req.interception.t_call)
         state.text_before += state.detokenizer.flush()
+        self.predictors.on_resume(req, len(tokens), self.clock())
         self.scheduler.resume_request(req, list(tokens), self.clock())
         state.detokenizer = IncrementalDetokenizer(self.tokenizer, req.all_token_ids, req.sampling_params)
 
@@ -206,6 +216,7 @@ class LLMEngine:
         state = self._states.pop(request_id, None)
         if state is None:
             return None
+        self.predictors.forget(request_id)
         self.scheduler.abort_request(request_id)
         self.trace.remove(request_id)
         state.metrics.finished_time = time.monotonic()
@@ -232,6 +243,7 @@ class LLMEngine:
                 state.metrics.finished_time = now
                 del self._states[rid]
                 self.trace.remove(rid)
+                self.predictors.forget(rid)
                 ended.append(self._make_output(state))
                 continue
             self.resume(rid, tokens)
@@ -244,6 +256,7 @@ class LLMEngine:
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
         try:
+            self.predictors.request_hidden_states(out.seqs)
             t0 = self.clock()
             sampled = self.executor.execute(out)
             step_s = self.clock() - t0
@@ -252,6 +265,7 @@ class LLMEngine:
             logger.exception("executor failed; aborting the %d requests in this batch", len(out.seqs))
             return [o for o in (self.abort_request(s.request.request_id) for s in out.seqs) if o]
         self.num_steps += 1
+        self.predictors.on_sampled(out.seqs, sampled)
         got_token = self.scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
         self._record_waste(out, step_s)
         now = self.clock()
@@ -267,13 +281,20 @@ class LLMEngine:
                 detok = state.detokenizer
                 state.logprobs.append(TokenLogprob(token, detok.token_text(token), s.logprob or 0.0,
                                                    [(t, detok.token_text(t), lp) for t, lp in (s.top or [])]))
-            if stop_str is not None and not req.is_finished:
+            if stop_str is not None and not req.is_finished and req.interception is None:
                 req.stop_reason = stop_str
-                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+                if req.sampling_params.pause_on_stop:
+                    self.intercept(req.request_id)
+                else:
+                    self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
             if req.is_finished:
                 state.metrics.finished_time = now
+                self.predictors.on_finish(req)
                 del self._states[req.request_id]
                 self.trace.remove(req.request_id)
+            elif req.interception is not None:
+                # Only a stop pauses a request inside update_from_output (or just above).
+                state.turn_ended = True
             else:
                 seg = self.trace.pause_due(req.request_id, req.num_generated_tokens)
                 if seg is not None:
@@ -291,8 +312,10 @@ class LLMEngine:
     def _make_output(self, state: RequestState) -> RequestOutput:
         req = state.request
         finished = req.is_finished
-        text = state.text_before + (state.detokenizer.flush() if finished else state.detokenizer.text)
-        completion = CompletionOutput(0, text, list(req.output_token_ids), req.status.finish_reason,
+        done = finished or state.turn_ended
+        text = state.text_before + (state.detokenizer.flush() if done else state.detokenizer.text)
+        reason = req.status.finish_reason or ("stop" if state.turn_ended else None)
+        completion = CompletionOutput(0, text, list(req.output_token_ids), reason,
                                       req.stop_reason, list(state.logprobs) if state.logprobs is not None else None,
                                       req.num_generated_tokens, state.tool_calls)
         state.metrics.intercepted_time = req.intercepted_seconds

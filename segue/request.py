@@ -98,6 +98,9 @@ class Request:
     # its next interception will last. None: no prediction (policies fall back to defaults).
     predicted_output_tokens: float | None = None
     predicted_interception_s: float | None = None
+    # The handling (preserve / swap / discard) the LAMPS ordering policy predicted for the next
+    # interception; the `lamps` interception policy applies it. None: not predicted.
+    predicted_disposition: Disposition | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,6 +21,10 @@ class SamplingParams:
     # Number of most likely alternatives to report per generated token (None: no logprobs).
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    # End of a turn with more turns to come (a session's chat turn): on EOS, a stop token or a stop
+    # string the request pauses (an interception whose end is the next turn) instead of finishing,
+    # keeping its context, the stop token included, for the next turn. max_tokens still finishes.
+    pause_on_stop: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +57,8 @@ class SamplingParams:
             bad("at most 16 stop strings are allowed")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
+        if not isinstance(self.pause_on_stop, bool):
+            bad(f"pause_on_stop must be a boolean, got {self.pause_on_stop!r}")
 
     @property
     def greedy(self) -> bool:

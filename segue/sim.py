@@ -36,6 +36,16 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def _policy_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
 def _names(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     unknown = [n for n in names if n not in INTERCEPTION_POLICIES]
@@ -82,7 +92,9 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (default: 256, as vLLM)")
     g.add_argument("--max-model-len", type=int, default=4096,
                    help="context cap; 4096 keeps the trace's few 2048-2051-token requests (default: 4096)")
-    g.add_argument("--policy", default="fcfs", help="ordering policy (default: fcfs)")
+    g.add_argument("--policy", default="fcfs", help="ordering policy: fcfs, mlfq, ... (default: fcfs)")
+    g.add_argument("--policy-option", type=_policy_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="an ordering-policy option (repeatable; VALUE is JSON, e.g. starvation_limit_s=2.0)")
     g.add_argument("--no-prefix-caching", action="store_true")
     add_workload_args(p, None)
     p.add_argument("--duration-s", type=float, default=600.0,
@@ -177,7 +189,8 @@ def run_sim(args: argparse.Namespace) -> int:
                 cache=CacheConfig(block_size=bs, kv_cache_tokens=kv_tokens, swap_space_tokens=swap_tokens,
                                   enable_prefix_caching=not args.no_prefix_caching),
                 scheduler=SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=args.max_num_seqs,
-                                          policy=args.policy, interception_policy=name))
+                                          policy=args.policy, policy_options=dict(args.policy_option),
+                                          interception_policy=name))
             engine = make_sim_engine(cost, kv_tokens, config, max_model_len=args.max_model_len)
             res = replay(engine, reqs, arrivals, engine.clock.advance_to, seed=args.seed, progress=progress,
                          desc=f"{name} @ {rate:g} req/s")
@@ -198,6 +211,7 @@ def run_sim(args: argparse.Namespace) -> int:
             "preset": args.preset, "cost_model": cost.__dict__, "kv_cache_tokens": kv_tokens,
             "swap_space_tokens": swap_tokens, "max_num_batched_tokens": batched,
             "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len, "policy": args.policy,
+            "policy_options": dict(args.policy_option),
             "dropped_requests": dropped, "latency_slo": args.latency_slo, "sim_seconds": sim_s,
             "wall_seconds": wall_s, "rows": rows,
         }

@@ -1,11 +1,10 @@
 """Reliability, short form for CI: a bounded soak of a live server under a mix of normal and faulty
 clients (tests/soak), then fuzzing of every endpoint, none of which may answer 5xx.
 
-The routes parse their JSON bodies themselves, so the app's OpenAPI schema describes no request
-bodies; schemathesis alone would only ever send empty ones. The fuzz therefore (1) hands schemathesis
-a copy of the schema with the bodies filled in from the request models, and (2) fuzzes the two
-generation endpoints by hand with hypothesis: valid requests with random JSON of any type in any
-field, random messages and raw bytes.
+The app's OpenAPI schema declares the generation endpoints' request bodies (segue/server/openapi.py).
+The fuzz (1) hands schemathesis that schema with the bodies tightened so that valid ones stay
+short (see _tighten), and (2) fuzzes the two generation endpoints by hand with hypothesis: valid
+requests with random JSON of any type in any field, random messages and raw bytes.
 
 One engine-level test replays the workload on which the soak's stall detector found a scheduler
 deadlock (partly swapped-in and waiting requests holding the whole device pool, nothing running),
@@ -106,27 +105,25 @@ def fuzz_app(engine: AsyncLLMEngine) -> Any:
 
 def _tighten(schema: dict[str, Any], model_name: str) -> None:
     """Valid bodies name a small max_tokens: left out, it defaults to the rest of the context, and
-    every accepted example would spend a second decoding. The model and n are pinned to what the
-    server accepts, or nearly no generated body would get past them. Negative mode still violates
-    all three."""
+    every accepted example would spend a second decoding. The model is pinned to what the server
+    serves, or nearly no generated body would get past it, and n kept small (each choice is a
+    generation). Negative mode still violates all three."""
     props = schema["properties"]
     props["max_tokens"] = {"type": "integer", "minimum": 1, "maximum": FUZZ_MAX_TOKENS}
     props["model"] = {"anyOf": [{"type": "null"}, {"const": model_name}]}
-    props["n"] = {"anyOf": [{"type": "null"}, {"const": 1}]}
+    props["n"] = {"anyOf": [{"type": "null"}, {"type": "integer", "minimum": 1, "maximum": 3}]}
     schema["required"] = sorted(set(schema.get("required", [])) | {"max_tokens"})
     schema["properties"].pop("max_completion_tokens", None)  # it would override max_tokens
 
 
 def with_request_bodies(openapi: dict[str, Any], model_name: str) -> dict[str, Any]:
-    """The app's schema plus JSON request bodies for the generation endpoints, from their models."""
+    """The app's schema with the generation endpoints' declared bodies tightened (see _tighten)."""
     doc = copy.deepcopy(openapi)
-    components = doc.setdefault("components", {}).setdefault("schemas", {})
-    for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest)):
-        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        components.update(schema.pop("$defs", {}))
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        content = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        schema = copy.deepcopy(doc["components"]["schemas"][content["schema"]["$ref"].rsplit("/", 1)[1]])
         _tighten(schema, model_name)
-        doc["paths"][path]["post"]["requestBody"] = {
-            "required": True, "content": {"application/json": {"schema": schema}}}
+        content["schema"] = schema
     return doc
 
 

@@ -185,8 +185,8 @@ def test_errors(server: ServerThread, client: openai.OpenAI, model: str, engine:
     bad_tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
     with pytest.raises(openai.BadRequestError, match="parameters"):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], tools=[bad_tool])
-    with pytest.raises(openai.BadRequestError, match="n > 1"):
-        client.completions.create(model=model, prompt="hi", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match=r"n must be an integer in \[1, 16\]"):
+        client.completions.create(model=model, prompt="hi", max_tokens=2, n=17)
     with pytest.raises(openai.BadRequestError, match="image_url"):
         client.chat.completions.create(model=model, max_tokens=2, messages=[
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}])

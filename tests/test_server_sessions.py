@@ -106,8 +106,19 @@ def test_client_tool_pauses_then_session_resumes(server: ServerThread, engine: A
     assert second.usage.prompt_tokens_details.cached_tokens == held
     assert second.usage.completion_tokens == len(encode("It is sunny in Paris.")) + 1
     assert rid == scripted.seen_with("[weather]")[-1][0]  # the same engine request, continued
-    wait_idle(engine)  # a normal turn end finishes the request; the session remains, holding nothing
+    # A normal turn end in a session pauses the request for the human's reply, which continues it.
+    assert num_paused(engine) == 1
+    held = second.usage.total_tokens
+    steps_before = len(seen.chunks)
+    history += [second.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Thanks!"}]
+    third = chat(a, history, session)
+    assert third.choices[0].finish_reason == "stop" and third.usage.prompt_tokens_details.cached_tokens == held
+    resumed = seen.chunks[steps_before:]
+    assert resumed[0][0] == held - 1 and all(start >= held - 1 for start, _ in resumed)
+    # The held end-of-turn token is not appended a second time.
+    assert scripted_text(resumed[0][1]).startswith("<|im_end|>\n<|im_start|>user\nThanks!<|im_end|>")
     assert close(server, session, KEY_A) == 200
+    wait_idle(engine)
     with pytest.raises(openai.NotFoundError):
         chat(a, history, session)
 
@@ -204,4 +215,164 @@ def test_shutdown_releases_held_sessions(engine: AsyncLLMEngine) -> None:
     with ServerThread(create_app(engine)) as s:
         first = chat(make_client(s, "none"), [{"role": "user", "content": "[weather] leave me paused"}])
         assert first.choices[0].finish_reason == "tool_calls" and engine_stats(engine)[0] > 0
+    wait_idle(engine)
+
+
+# ---- human turns: a session's turn that ends normally keeps its context ------------------------
+CHAT = "[chat]"
+FOLLOW_UP = "Go on, please."
+
+
+class FirstTurnScript:
+    """Wraps the executor: requests whose prompt has CHAT (and not FOLLOW_UP) write `text` then EOS
+    in their first turn; every later token is the real model's greedy choice. Also records the
+    context each request had when it sampled the first token of each turn."""
+
+    def __init__(self, engine: Any, text: str) -> None:
+        self.inner = engine.executor.execute
+        self.eos = engine.model_config.eos_token_ids[0]
+        self.tokens = encode(text)
+        self.contexts: dict[tuple[str, int], list[int]] = {}
+        self.programs: dict[str, str | None] = {}
+        self._scripted: dict[str, bool] = {}
+
+    def _is_scripted(self, req: Any) -> bool:
+        if req.request_id not in self._scripted:
+            prompt = scripted_text(req.prompt_token_ids)
+            self._scripted[req.request_id] = CHAT in prompt and FOLLOW_UP not in prompt
+        return self._scripted[req.request_id]
+
+    def execute(self, out: Any) -> Any:
+        import dataclasses
+        sampled = self.inner(out)
+        for seq in out.seqs:
+            req = seq.request
+            if not seq.sample:
+                continue
+            self.contexts.setdefault((req.request_id, len(req.interceptions)), list(req.all_token_ids))
+            self.programs[req.request_id] = req.program_id
+            if self._is_scripted(req) and not req.interceptions:
+                pos = req.num_output_tokens
+                token = self.tokens[pos] if pos < len(self.tokens) else self.eos
+                sampled[req.request_id] = dataclasses.replace(sampled[req.request_id], token_id=token)
+        return sampled
+
+
+@pytest.fixture(scope="module")
+def first_turn(engine: AsyncLLMEngine, scripted: ScriptedModel) -> FirstTurnScript:
+    def install(e: Any) -> FirstTurnScript:
+        wrapper = FirstTurnScript(e, "Hello there, friend.")
+        e.executor.execute = wrapper.execute
+        return wrapper
+    return on_engine(engine, install)
+
+
+def paused_ids(engine: AsyncLLMEngine) -> list[str]:
+    return on_engine(engine, lambda e: list(e.scheduler.paused.paused))
+
+
+def test_human_turn_keeps_context(server: ServerThread, engine: AsyncLLMEngine, scripted: ScriptedModel,
+                                  first_turn: FirstTurnScript) -> None:
+    a = make_client(server, KEY_A)
+    messages = [{"role": "user", "content": f"{CHAT} Say hello."}]
+    first = chat(a, messages, extra_body={"open_session": True})
+    choice = first.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content == "Hello there, friend."
+    session = first.model_extra["session_id"]
+    # The turn ended at EOS, but the request is paused (end-of-turn token kept), not finished.
+    (rid,) = paused_ids(engine)
+    held = first.usage.total_tokens
+    assert held == on_engine(engine, lambda e: e.scheduler.requests[rid].num_tokens)
+    on_engine(engine, lambda e: e.check_invariants())
+
+    history = messages + [choice.message.model_dump(exclude_none=True), {"role": "user", "content": FOLLOW_UP}]
+    steps_before = len(scripted.seen[rid].chunks)
+    second = chat(a, history, session, max_tokens=6, extra_body={"ignore_eos": True})
+    assert second.choices[0].finish_reason == "length" and second.model_extra["session_id"] == session
+    # The same engine request continued: nothing of the first turn was computed again. Its first
+    # new chunk starts at the held EOS (sampled, not yet computed) and carries the user's turn.
+    resumed = scripted.seen[rid].chunks[steps_before:]
+    assert resumed[0][0] == held - 1 and all(start >= held - 1 for start, _ in resumed)
+    assert resumed[0][1][0] == first_turn.eos and FOLLOW_UP in scripted_text(resumed[0][1])
+    assert second.usage.prompt_tokens_details.cached_tokens == held
+    assert on_engine(engine, lambda e: e.scheduler.last_step_recompute_tokens) == 0
+    wait_idle(engine)  # max_tokens finished the second turn: the session holds nothing now
+
+    # A fresh request with the full history sees exactly the continued request's context and,
+    # greedy, writes exactly the same tokens.
+    fresh = chat(a, history, max_tokens=6, extra_body={"ignore_eos": True})
+    fresh_rid = next(r for (r, turn) in first_turn.contexts if turn == 0 and r not in (rid,)
+                     and first_turn.contexts[(r, 0)] == first_turn.contexts[(rid, 1)])
+    assert fresh_rid
+    assert fresh.choices[0].message.content == second.choices[0].message.content
+    assert fresh.usage.prompt_tokens == second.usage.prompt_tokens
+    assert close(server, session, KEY_A) == 200
+    wait_idle(engine)
+
+
+def test_human_turn_streamed_then_closed(server: ServerThread, engine: AsyncLLMEngine,
+                                         first_turn: FirstTurnScript) -> None:
+    a = make_client(server, KEY_A)
+    messages = [{"role": "user", "content": f"{CHAT} Stream a greeting."}]
+    chunks = list(chat(a, messages, stream=True, extra_body={"open_session": True}))
+    with_choices = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == "Hello there, friend."
+    assert with_choices[-1].choices[0].finish_reason == "stop"
+    session = with_choices[-1].model_extra["session_id"]
+    assert len(paused_ids(engine)) == 1 and engine_stats(engine)[0] > 0
+    assert close(server, session, KEY_A) == 200
+    wait_idle(engine)  # closing aborted the held request: its KV is back in the pool
+
+
+def test_human_turn_edge_cases(server: ServerThread, engine: AsyncLLMEngine, first_turn: FirstTurnScript) -> None:
+    a = make_client(server, KEY_A)
+    # Outside a session nothing is held: the turn finishes as always.
+    plain = chat(a, [{"role": "user", "content": f"{CHAT} No session."}])
+    assert plain.choices[0].finish_reason == "stop" and "session_id" not in (plain.model_extra or {})
+    wait_idle(engine)
+    # A stop string ends the turn on text the client never sees: the request finishes, not held.
+    cut = chat(a, [{"role": "user", "content": f"{CHAT} Cut me."}], stop=[" friend"],
+               extra_body={"open_session": True})
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == "Hello there,"
+    wait_idle(engine)
+    assert close(server, cut.model_extra["session_id"], KEY_A) == 200
+    # An edited history cannot continue the held request: it is aborted and a fresh one starts.
+    messages = [{"role": "user", "content": f"{CHAT} Edit me."}]
+    first = chat(a, messages, extra_body={"open_session": True})
+    session = first.model_extra["session_id"]
+    (held_rid,) = paused_ids(engine)
+    edited = [{"role": "assistant", "content": "Something else."} if m["role"] == "assistant" else m
+              for m in messages + [first.choices[0].message.model_dump(exclude_none=True)]]
+    again = chat(a, edited + [{"role": "user", "content": FOLLOW_UP}], session, max_tokens=4,
+                 extra_body={"ignore_eos": True})
+    assert again.choices[0].finish_reason == "length" and again.usage.prompt_tokens_details.cached_tokens \
+        < again.usage.prompt_tokens
+    assert held_rid not in paused_ids(engine)
+    # The fresh request of a session counts as the session's program (program-level policies).
+    assert list(first_turn.programs.values())[-1] == session
+    assert close(server, session, KEY_A) == 200
+    wait_idle(engine)
+
+
+def test_held_human_turn_expires(engine: AsyncLLMEngine, first_turn: FirstTurnScript) -> None:
+    with ServerThread(create_app(engine, config=ServerConfig(session_ttl_s=0.3))) as s:
+        a = make_client(s, "none")
+        first = chat(a, [{"role": "user", "content": f"{CHAT} expire me"}], extra_body={"open_session": True})
+        assert first.choices[0].finish_reason == "stop"
+        wait_until(lambda: engine_stats(engine) == (0, 0), 5, "the idle session to expire")
+        on_engine(engine, lambda e: e.check_invariants())
+    wait_idle(engine)
+
+
+def test_n_choices_each_run_their_server_tool_rounds(server: ServerThread, engine: AsyncLLMEngine,
+                                                     scripted: ScriptedModel) -> None:
+    scripted.script("[calc-n]", call_text("calculator", {"expression": "1+1"}), "Two.")
+    a = make_client(server, KEY_A)
+    resp = a.chat.completions.create(model="", messages=[{"role": "user", "content": "[calc-n] add"}], n=2,
+                                     temperature=0, max_tokens=60, extra_body={"model": None})
+    assert [(c.index, c.message.content, c.finish_reason) for c in resp.choices] == \
+        [(0, "Two.", "stop"), (1, "Two.", "stop")]
+    assert "session_id" not in (resp.model_extra or {})
+    seen = scripted.seen_with("[calc-n]")
+    assert len(seen) == 2 and all("<|im_start|>tool\n2<|im_end|>" in s.text() for _, s in seen)
     wait_idle(engine)

@@ -11,7 +11,8 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-BUILTIN_MODULES: tuple[str, ...] = ("segue.bench.throughput", "segue.bench.step_profile", "segue.bench.intercept")
+BUILTIN_MODULES: tuple[str, ...] = ("segue.bench.throughput", "segue.bench.step_profile", "segue.bench.intercept",
+                                    "segue.bench.compare", "segue.bench.fidelity", "segue.bench.programs")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 
 import torch
 
@@ -56,6 +57,8 @@ class ModelExecutor(Executor):
         self.last_swap_seconds = 0.0
         self.kv_cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache.block_size,
                                 self.num_device_blocks, self.num_host_blocks, device, dtype)
+        # Requests whose next sampled token should carry its hidden state (want_hidden_states).
+        self._hidden_for: frozenset[str] = frozenset()
         self.decode_kernel = None
         if device.type == "cpu" and dtype == torch.float32:
             from segue.model.cpu_kernels import load_cpu_kernels
@@ -107,18 +110,23 @@ class ModelExecutor(Executor):
         pos_t = torch.tensor(positions, device=dev)
         return input_ids, pos_t, meta
 
+    def want_hidden_states(self, request_ids: Collection[str]) -> bool:
+        self._hidden_for = frozenset(request_ids)
+        return True
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        hidden_for, self._hidden_for = self._hidden_for, frozenset()
         swaps = self.kv_cache.start_swaps(out.blocks_to_swap_in, out.blocks_to_swap_out)
         try:
-            return self._run(out)
+            return self._run(out, hidden_for)
         finally:
             # Whatever the copies still need after the forward is a stall (swap waste).
             t0 = time.perf_counter()
             swaps.wait()
             self.last_swap_seconds = time.perf_counter() - t0
 
-    def _run(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def _run(self, out: SchedulerOutput, hidden_for: frozenset[str] = frozenset()) -> dict[str, SampledToken]:
         if not out.seqs:
             return {}
         # Decodes first: the attention kernel takes them as one contiguous batch.
@@ -133,8 +141,16 @@ class ModelExecutor(Executor):
                 sampled_seqs.append(s)
         if not rows:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        last = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(last)
         results = sample(logits, [s.request.sampling_params for s in sampled_seqs],
                          [s.request.num_output_tokens for s in sampled_seqs])
-        return {s.request.request_id: SampledToken(r.token_id, r.logprob, r.top)
-                for s, r in zip(sampled_seqs, results)}
+        tokens = {s.request.request_id: SampledToken(r.token_id, r.logprob, r.top)
+                  for s, r in zip(sampled_seqs, results)}
+        want = [j for j, s in enumerate(sampled_seqs) if s.request.request_id in hidden_for] if hidden_for else []
+        if want:
+            # Rows already computed for sampling: the only cost is one small copy to the host.
+            states = last[want].float().cpu().numpy()
+            for j, state in zip(want, states):
+                tokens[sampled_seqs[j].request.request_id].hidden = state
+        return tokens

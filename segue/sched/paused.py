@@ -71,17 +71,20 @@ class PausedRequests:
     def held_device_blocks(self) -> int:
         return sum(self.kv.num_device_blocks_of(rid) for rid in self.paused)
 
-    def plan(self, now: float, running_tokens: int, num_running: int, batch_tokens: int) -> SwapPlan:
-        """Spend this step's swap limit: swap-in for resumed requests first (FCFS; they are ready
-        to run), the rest as the swap-out budget the policy hands to paused requests."""
+    def plan(self, now: float, running_tokens: int, num_running: int, batch_tokens: int,
+             keep_free_blocks: int = 0) -> SwapPlan:
+        """Spend this step's swap limit: swap-in for resumed requests first (in `swapped` order;
+        they are ready to run) without going below `keep_free_blocks` free device blocks, the rest
+        as the swap-out budget the policy hands to paused requests."""
         plan = SwapPlan(ready=self._landing)
         self._landing = []
         bs = self.kv.block_size
         limit_blocks = max(1, self.cost.swap_limit(batch_tokens) // bs)
         for req in list(self.swapped):
-            if limit_blocks <= 0:
-                break
-            moved = self.kv.swap_in_blocks(req, limit_blocks)
+            room = self.kv.num_free_blocks - keep_free_blocks
+            if keep_free_blocks and room < self.kv.num_host_blocks_of(req.request_id):
+                break  # a part brought in now would only be swapped out again to keep the floor
+            moved = self.kv.swap_in_blocks(req, min(limit_blocks, room))
             plan.swap_in += moved
             limit_blocks -= len(moved)
             if not self.kv.num_host_blocks_of(req.request_id):

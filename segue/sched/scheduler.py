@@ -15,6 +15,7 @@ from segue.sched.cost_model import CostModel
 from segue.sched.interception import InterceptionPolicy, make_interception_policy
 from segue.sched.output import ScheduledSeq, SchedulerOutput
 from segue.sched.paused import PausedRequests
+from segue.sched.preemption import Room, keep_reserve, make_room
 from segue.sched.policies import SchedulingPolicy
 
 
@@ -140,11 +141,23 @@ class Scheduler:
         key = lambda r: self.policy.key(r, now)  # noqa: E731
         self.kv.release_swapped_out()
         running_tokens = sum(r.num_computed_tokens for r in self.running)
-        plan = self.paused.plan(now, running_tokens, len(self.running), self.last_batch_tokens)
+        reserve = self.policy.reserved_blocks(now)
+        if self.policy.preemptive:
+            # Swap in first whoever the policy expects to run soonest.
+            self.paused.swapped[:] = reversed(self.policy.preemption_order(self.paused.swapped, now))
+        # Swap-ins leave the arrival reserve free, unless nothing else could run.
+        plan = self.paused.plan(now, running_tokens, len(self.running), self.last_batch_tokens,
+                                keep_free_blocks=reserve if self.running or self.waiting else 0)
         out.blocks_to_swap_out, out.blocks_to_swap_in = plan.swap_out, plan.swap_in
         for req in plan.ready:
             req.status = RequestStatus.WAITING
             self.waiting.append(req)
+        if self.policy.preemptive:
+            # Everyone competes for this step in key order; a loser keeps its KV while it waits.
+            for req in self.running:
+                req.status = RequestStatus.WAITING
+            self.waiting += self.running
+            self.running = []
         self.running.sort(key=key)
         scheduled: list[tuple[Request, int]] = []
 
@@ -177,7 +190,13 @@ class Scheduler:
                 num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
                 if not self.kv.allocate_slots(req, num_new, hits):
                     need = self.kv.num_blocks_needed(req, num_new) - len(hits)
-                    if not ((self.paused.release_for_memory(need) or self._release_waiting_kv(req))
+                    freed = self.paused.release_for_memory(need)
+                    if self.policy.preemptive and self.kv.num_free_blocks < need:
+                        room = make_room(self, req, need, out)
+                        if room is Room.IN_FLIGHT:
+                            break  # swap-outs free the memory by the next step
+                        freed = room is Room.FREED or freed
+                    if not ((freed or self._release_waiting_kv(req))
                             and self.kv.allocate_slots(req, num_new, hits)):
                         break  # head-of-line: the policy's order decides who gets memory first
                 if req.num_cached_tokens < 0:
@@ -205,11 +224,14 @@ class Scheduler:
                 sample=start + num_new == req.num_tokens,
             ))
             self.policy.on_scheduled(req, num_new, now)
+        if reserve > 0:
+            keep_reserve(self, out, reserve, now)
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance progress, append sampled tokens, and finish requests that hit a stop
-        condition the scheduler can see (EOS, stop token ids, max_tokens, context length).
+        condition the scheduler can see (EOS, stop token ids, max_tokens, context length); with
+        pause_on_stop, EOS and stop tokens pause the request instead (max_tokens still finishes).
         Returns the requests that received a token this step."""
         got_token = []
         self.last_step_recompute_tokens = 0
@@ -228,7 +250,10 @@ class Scheduler:
             req.output_token_ids.append(token)
             got_token.append(req)
             status = self._check_stop(req, token)
-            if status is not None:
+            if status is RequestStatus.FINISHED_STOPPED and req.sampling_params.pause_on_stop:
+                # The turn ended but the conversation goes on: keep the context for the next turn.
+                self.intercept_request(req, self.now)
+            elif status is not None:
                 self.finish_request(req, status)
         return got_token
 

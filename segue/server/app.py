@@ -20,9 +20,11 @@ from segue.server.context import ServingContext
 from segue.server.errors import install_error_handlers
 from segue.server.limits import BodySizeLimitMiddleware
 from segue.server.metrics import HTTPMetricsMiddleware
+from segue.server.openapi import install_body_schemas
 from segue.server.routes_chat import router as chat_router
 from segue.server.routes_completions import router as completions_router
 from segue.server.routes_misc import router as misc_router
+from segue.server.routes_programs import router as programs_router
 from segue.tools.registry import ToolRegistry
 
 # The expiry sweep runs this often at most (and at least every tenth of the TTL).
@@ -59,6 +61,7 @@ def create_app(engine: AsyncLLMEngine, api_keys: list[str] | None = None, shutdo
         app.add_middleware(APIKeyMiddleware, api_keys=keys)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=ctx.metrics)
-    for router in (misc_router, completions_router, chat_router):
+    for router in (misc_router, completions_router, chat_router, programs_router):
         app.include_router(router)
+    install_body_schemas(app)
     return app

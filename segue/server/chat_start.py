@@ -9,9 +9,14 @@ from the full history; the prefix cache still serves whatever prefix is shared.
 The comparison is on messages, not on re-tokenized text: what the model sampled need not be the
 tokenizer's canonical encoding of its own text, and the client gets the calls back as OpenAI JSON,
 not as the text the model wrote.
+
+A turn in a session (or one that opens a session) pauses at its stop instead of finishing
+(pause_on_stop), so the human's reply continues it like a tool result does. A request paused at
+its end-of-turn token already holds that token: the continuation starts after it.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import Request
@@ -22,7 +27,7 @@ from segue.server.auth import cache_salt
 from segue.server.chat_tools import SteeredParser, ToolSetup
 from segue.server.context import ServingContext
 from segue.server.limits import Deadline
-from segue.server.protocol import ChatCompletionRequest, random_id
+from segue.server.protocol import ChatCompletionRequest, choice_seed, random_id
 from segue.server.sessions import HeldRequest, Session
 from segue.server.streaming import prepend, unless_disconnected
 from segue.server.templating import normalize
@@ -59,8 +64,11 @@ async def continue_held(ctx: ServingContext, request: Request, body: ChatComplet
         return None
     new_messages = held.server_results + ctx.renderer.template_messages(body.messages[n:])
     text = await ctx.in_thread(ctx.renderer.continuation, held.context, held.segment, new_messages, setup.tools)
-    suffix = await ctx.tokenize(text + setup.forced_prefix)
+    if not text.startswith(held.end_text):
+        return None
+    suffix = await ctx.tokenize(text[len(held.end_text):] + setup.forced_prefix)
     params = body.to_sampling_params(len(held.token_ids) + len(suffix), ctx.max_model_len)
+    params.pause_on_stop = True
     if held.parser is not None:
         held.parser.arm(setup.forced_prefix)
     gen = ctx.engine.continue_request(held.request_id, suffix, params)
@@ -77,7 +85,7 @@ async def continue_held(ctx: ServingContext, request: Request, body: ChatComplet
 
 
 async def start_fresh(ctx: ServingContext, request: Request, body: ChatCompletionRequest, setup: ToolSetup,
-                      session: Session | None, tenant: str | None, deadline: Deadline) -> ChatTurn:
+                      session: Session | None, tenant: str | None, deadline: Deadline, choice: int = 0) -> ChatTurn:
     messages = ctx.renderer.template_messages(body.messages)
 
     def render() -> list[int]:
@@ -85,15 +93,22 @@ async def start_fresh(ctx: ServingContext, request: Request, body: ChatCompletio
         return ctx.engine.engine.encode(text)
     prompt_ids = await ctx.in_thread(render)
     params = body.to_sampling_params(len(prompt_ids), ctx.max_model_len)
+    params.seed = choice_seed(params.seed, choice)
+    # Only a session can continue a paused turn; elsewhere nobody would ever resume it.
+    params.pause_on_stop = session is not None or bool(body.open_session)
     parser = SteeredParser(setup.forced_prefix) if setup.enabled else None
     rid = random_id("chatcmpl")
     hints = {**body.engine_hints(), **ctx.generate_hints(cache_salt(tenant))}
+    if session is not None:
+        # A session is one conversation: the program of program-level policies when none is named.
+        hints.setdefault("program_id", session.session_id)
     gen = ctx.engine.generate(prompt_ids, params, request_id=rid, tool_parser=parser, **hints)
     if session is not None:
         session.active_request_id = rid
     first = await _first(request, deadline, gen)
     return ChatTurn(ctx, rid, prepend(first, gen), setup, parser, messages, deadline, prefix=setup.forced_prefix,
-                    cached_tokens=first.num_cached_tokens, expected_tool_seconds=body.expected_tool_seconds)
+                    cached_tokens=first.num_cached_tokens, expected_tool_seconds=body.expected_tool_seconds,
+                    prompt_tokens=len(prompt_ids))
 
 
 async def start_turn(ctx: ServingContext, request: Request, body: ChatCompletionRequest, setup: ToolSetup,
@@ -109,3 +124,24 @@ async def start_turn(ctx: ServingContext, request: Request, body: ChatCompletion
             return turn
         ctx.engine.abort(held.request_id)
     return await start_fresh(ctx, request, body, setup, session, tenant, deadline)
+
+
+async def start_choices(ctx: ServingContext, request: Request, body: ChatCompletionRequest, setup: ToolSetup,
+                        session: Session | None, tenant: str | None, deadline: Deadline) -> list[ChatTurn]:
+    """The turns of all `n` choices. Choice 0 starts first; once it has a token its prompt's full
+    blocks are in the prefix cache, so the other choices start from them instead of prefilling
+    the same prompt n times (and an error in the request surfaces once, from choice 0)."""
+    first = await start_turn(ctx, request, body, setup, session, tenant, deadline)
+    tasks = [asyncio.ensure_future(start_fresh(ctx, request, body, setup, None, tenant, deadline, choice=i))
+             for i in range(1, body.num_choices)]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        started = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
+        for turn in [first] + started:
+            await turn.aclose()
+        raise
+    return [first] + [t.result() for t in tasks]

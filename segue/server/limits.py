@@ -25,23 +25,28 @@ class ConcurrencyLimiter:
         self.in_flight = 0
         self.rejected = 0
 
-    def acquire(self) -> "Slot":
-        if self.in_flight >= self.limit:
+    def acquire(self, count: int = 1) -> "Slot":
+        """`count` engine requests at once (a request with n choices runs n), all or none."""
+        if count > self.limit:  # would never fit: retrying cannot help
+            raise APIError(400, f"n={count} exceeds this server's limit of {self.limit} concurrent requests",
+                           param="n")
+        if self.in_flight + count > self.limit:
             self.rejected += 1
             raise APIError(429, f"the server is at its limit of {self.limit} concurrent requests; retry shortly",
                            type="rate_limit_error", code="too_many_requests", headers={"Retry-After": "1"})
-        self.in_flight += 1
-        return Slot(self)
+        self.in_flight += count
+        return Slot(self, count)
 
 
 class Slot:
-    def __init__(self, limiter: ConcurrencyLimiter) -> None:
+    def __init__(self, limiter: ConcurrencyLimiter, count: int = 1) -> None:
         self._limiter: ConcurrencyLimiter | None = limiter
+        self.count = count
 
     def release(self) -> None:
         # Idempotent: both the response's end and error paths release.
         if self._limiter is not None:
-            self._limiter.in_flight -= 1
+            self._limiter.in_flight -= self.count
             self._limiter = None
 
 

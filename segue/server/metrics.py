@@ -53,6 +53,7 @@ def engine_snapshot(e: LLMEngine) -> dict[str, Any]:
         "prefix": (s.prefix_hit_tokens, s.prefix_query_tokens),
         "steps": e.num_steps,
         "tools": e.tool_stats.snapshot(),
+        "predictors": e.predictors.snapshot(),
     }
 
 
@@ -117,6 +118,28 @@ class _EngineCollector:
             counts.add_metric([name], summary.count)
         yield durations
         yield counts
+        yield from _predictor_families(snap["predictors"])
+
+
+def _predictor_families(predictors: dict[str, Any]) -> Iterator[Metric]:
+    """Accuracy of each online predictor over every prediction it has had scored (LAMPS §6.4)."""
+    samples = CounterMetricFamily("segue_predictor_samples", "Predictions scored against the measured value",
+                                  labels=["predictor"])
+    mae = GaugeMetricFamily("segue_predictor_mae", "Mean absolute error of the predictions (tokens for "
+                            "output lengths, seconds for tool durations)", labels=["predictor"])
+    acc = GaugeMetricFamily("segue_predictor_accuracy", "Fraction of predictions within `tolerance` of the "
+                            "measured value (LAMPS Acc-5, Acc-15; tokens or seconds)",
+                            labels=["predictor", "tolerance"])
+    for name, snap in predictors.items():
+        samples.add_metric([name], snap.count)
+        if snap.mae is None:  # nothing scored yet: no made-up zeros
+            continue
+        mae.add_metric([name], snap.mae)
+        for k, frac in snap.within:
+            acc.add_metric([name, f"{k:g}"], frac)
+    yield samples
+    yield mae
+    yield acc
 
 
 class ServerMetrics:

@@ -2,9 +2,12 @@
 
 Requests ignore unknown fields because OpenAI clients and agent frameworks send extras we do not
 know, but known fields are strict: "abc" or "5" for an integer is a 400, not a silent coercion.
-Fields that would change the result and that Segue cannot honour yet (n > 1, penalties, echo, ...)
-are rejected rather than ignored, so a client never gets quietly different output. Response models
+Fields that would change the result and that Segue cannot honour yet (penalties, echo, ...) are
+rejected rather than ignored, so a client never gets quietly different output. Response models
 live in responses.py.
+
+`n` choices are n engine requests for the same prompt (see README, "n choices"): up to MAX_N, and
+not with sessions or client-side tools, whose paused request a session holds (one per session).
 """
 from __future__ import annotations
 
@@ -14,10 +17,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from segue.sampling_params import InvalidRequestError, SamplingParams
+from segue.server.errors import APIError
 
 # Completion budget when the request names none: the rest of the context, capped so a client
 # that forgets max_tokens on a long-context model does not tie up a sequence for minutes.
 DEFAULT_MAX_TOKENS_CAP = 1024
+# Choices per request: each is a whole engine request, so n is bounded like a batch would be.
+MAX_N = 16
+_SEED_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: consecutive indexes land far apart
+_MASK63 = (1 << 63) - 1
 
 
 def default_max_tokens(prompt_len: int, max_model_len: int) -> int:
@@ -26,6 +34,14 @@ def default_max_tokens(prompt_len: int, max_model_len: int) -> int:
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index`: choice 0 keeps the request's seed (so n=1 and the first of n
+    agree); the others get distinct seeds derived from it, so choices differ yet reproduce."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * _SEED_MIX) & _MASK63
 
 
 class _Request(BaseModel):
@@ -63,9 +79,13 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
+
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise InvalidRequestError("n > 1 is not supported yet; send n separate requests")
+        if not 1 <= self.num_choices <= MAX_N:
+            raise APIError(400, f"n must be an integer in [1, {MAX_N}], got {self.n}", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise InvalidRequestError(f"{name} is not supported yet (only 0 is accepted)")
@@ -168,6 +188,9 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.num_choices > 1 and (self.session_id is not None or self.open_session):
+            raise APIError(400, "n > 1 cannot be combined with sessions (session_id, open_session): a session "
+                                "continues one conversation", param="n")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise InvalidRequestError("response_format other than text is not supported yet")
         if self.top_logprobs is not None and not self.logprobs:

@@ -24,6 +24,16 @@ class Usage(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens,
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
+    @classmethod
+    def of_choices(cls, usages: list["Usage"], shared_prompt: int) -> "Usage":
+        """One usage for n choices of one prompt: the prompt (`shared_prompt` tokens, cached as
+        the first choice found it) counts once; what each choice read beyond it (tool results)
+        and everything the choices generated add up."""
+        first = usages[0]
+        prompt = first.prompt_tokens + sum(u.prompt_tokens - shared_prompt for u in usages[1:])
+        cached = first.prompt_tokens_details.cached_tokens if first.prompt_tokens_details else 0
+        return cls.of(prompt, sum(u.completion_tokens for u in usages), cached)
+
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)

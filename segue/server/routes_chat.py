@@ -4,10 +4,15 @@ The first output is awaited before the response starts, so errors the engine fin
 long, bad ids) still get a real status code instead of an error event inside a 200 stream. The
 session is updated the moment the turn ends, before the last bytes go out, so a client that
 disconnects right after receiving its tool calls still finds its session.
+
+With `n` > 1 every choice is its own ChatTurn (its own engine request and server-side tool
+rounds); their events are merged into one response, each chunk tagged with its choice's index.
+Sessions and client-side tools take one choice only (protocol.py).
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request, Response
@@ -15,14 +20,15 @@ from starlette.responses import JSONResponse
 
 from segue.server import responses as r
 from segue.server.auth import tenant_of
-from segue.server.chat_start import ClientGone, start_turn
+from segue.server.chat_start import ClientGone, start_choices
 from segue.server.chat_tools import resolve_tools
 from segue.server.context import ServingContext, serving
-from segue.server.errors import error_json, to_api_error
+from segue.server.errors import APIError, error_json, to_api_error
 from segue.server.limits import Deadline, Slot
+from segue.server.openapi import json_body
 from segue.server.protocol import ChatCompletionRequest, ChatMessage, ToolCallIn, random_id
 from segue.server.sessions import Session
-from segue.server.streaming import SSEResponse, sse, unless_disconnected
+from segue.server.streaming import SSEResponse, gather_all, merge_streams, sse, unless_disconnected
 from segue.server.templating import normalize
 from segue.server.tool_loop import ChatTurn, Delta, TurnEnd
 from segue.tools.spec import ToolCall
@@ -43,7 +49,8 @@ class TurnBookkeeping:
     def __init__(self, ctx: ServingContext, body: ChatCompletionRequest, slot: Slot, session: Session | None,
                  tenant: str | None, start: float) -> None:
         self.ctx, self.body, self.slot, self.session, self.tenant, self.start = ctx, body, slot, session, tenant, start
-        self.turn: ChatTurn | None = None
+        # One per choice.
+        self.turns: list[ChatTurn] = []
         self.closed = False
 
     def on_end(self, end: TurnEnd, content: str) -> str | None:
@@ -61,20 +68,25 @@ class TurnBookkeeping:
             sessions.hold(self.session, end.held)
         return self.session.session_id
 
-    def close(self) -> None:
+    async def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        # Turns already ended closed their streams; this aborts any that did not (errors, disconnects).
+        for turn in self.turns:
+            await turn.aclose()
         self.slot.release()
         if self.session is not None:
             self.ctx.sessions.checkin(self.session)
-        turn = self.turn
-        if turn is not None:
-            self.ctx.metrics.observe_latency(ENDPOINT, self.start, turn.first_token_at, time.monotonic(),
-                                             turn.completion_tokens, turn.tool_seconds)
+        if self.turns:
+            # One observation per HTTP request; with n choices the stream is paced by the longest.
+            firsts = [t.first_token_at for t in self.turns if t.first_token_at is not None]
+            self.ctx.metrics.observe_latency(ENDPOINT, self.start, min(firsts, default=None), time.monotonic(),
+                                             max(t.completion_tokens for t in self.turns),
+                                             max(t.tool_seconds for t in self.turns))
 
 
-@router.post(ENDPOINT, response_model=None)
+@router.post(ENDPOINT, response_model=None, openapi_extra=json_body(ChatCompletionRequest))
 async def chat_completions(request: Request) -> Response:
     ctx = serving(request)
     start = time.monotonic()
@@ -82,8 +94,11 @@ async def chat_completions(request: Request) -> Response:
     ctx.check_model(body.model)
     body.check_supported()
     setup = resolve_tools(body.tools, body.tool_choice, ctx.tools)
+    if body.num_choices > 1 and setup.client_names:
+        raise APIError(400, "n > 1 cannot be combined with client-side tools: a tool call pauses its choice "
+                            "in a session, which continues one conversation", param="n")
     tenant = tenant_of(request)
-    slot = ctx.limiter.acquire()
+    slot = ctx.limiter.acquire(body.num_choices)
     book = TurnBookkeeping(ctx, body, slot, None, tenant, start)
     try:
         if body.session_id is not None:
@@ -91,86 +106,104 @@ async def chat_completions(request: Request) -> Response:
         elif setup.client_names or body.open_session:
             ctx.sessions.check_capacity()
         deadline = Deadline(ctx.config.request_timeout_s)
-        book.turn = await start_turn(ctx, request, body, setup, book.session, tenant, deadline)
+        book.turns = await start_choices(ctx, request, body, setup, book.session, tenant, deadline)
     except ClientGone:
-        book.close()
+        await book.close()
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
     except BaseException:
-        book.close()
+        await book.close()
         raise
     rid, created = random_id("chatcmpl"), int(time.time())
     if body.stream:
         headers = {SESSION_HEADER: body.session_id} if body.session_id else None
-        return SSEResponse(_stream(ctx, body, book, book.turn, rid, created), headers=headers)
-    return await _complete(ctx, request, body, book, book.turn, rid, created)
+        return SSEResponse(_stream(ctx, body, book, rid, created), headers=headers)
+    return await _complete(ctx, request, body, book, rid, created)
+
+
+@dataclass
+class _Choice:
+    """What one choice has produced so far."""
+    content: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    end: TurnEnd | None = None
+
+
+def _usage(book: TurnBookkeeping, choices: list[_Choice]) -> r.Usage:
+    usages = [c.end.usage for c in choices if c.end is not None]
+    return usages[0] if len(usages) == 1 else r.Usage.of_choices(usages, book.turns[0].prompt_tokens)
 
 
 async def _complete(ctx: ServingContext, request: Request, body: ChatCompletionRequest, book: TurnBookkeeping,
-                    turn: ChatTurn, rid: str, created: int) -> Response:
-    pieces: list[str] = []
-    logprobs: list = []
-    result: list = []
+                    rid: str, created: int) -> Response:
+    choices = [_Choice() for _ in book.turns]
+    session_id: str | None = None
 
-    async def collect() -> bool:
+    async def collect(turn: ChatTurn, out: _Choice) -> None:
+        nonlocal session_id
         async for ev in turn.events():
             if isinstance(ev, Delta):
-                pieces.append(ev.content)
-                logprobs.extend(ev.logprobs or [])
+                out.content.append(ev.content)
+                out.logprobs.extend(ev.logprobs or [])
             else:
-                result.extend([ev, book.on_end(ev, "".join(pieces))])
-        return True
+                out.end = ev
+                session_id = book.on_end(ev, "".join(out.content)) or session_id
 
     try:
-        events_done = await unless_disconnected(request, collect())
+        done = await unless_disconnected(request, gather_all([collect(t, c) for t, c in zip(book.turns, choices)]))
     finally:
-        book.close()
-    if events_done is None or not result:
+        await book.close()
+    if done is None or any(c.end is None for c in choices):
         return Response(status_code=499)
-    end, session_id = result
-    content = "".join(pieces)
-    message = r.ChatResponseMessage(content=content if content or not end.tool_calls else None,
-                                    tool_calls=_tool_calls_out(end.tool_calls) or None)
-    lps = r.chat_logprobs(logprobs) if body.logprobs else None
-    choice = r.ChatChoice(message=message, finish_reason=end.finish_reason, logprobs=lps)
-    resp = r.ChatCompletionResponse(id=rid, created=created, model=ctx.model_name, choices=[choice],
-                                    usage=end.usage, session_id=session_id)
+    out = []
+    for i, c in enumerate(choices):
+        end, content = c.end, "".join(c.content)
+        assert end is not None
+        message = r.ChatResponseMessage(content=content if content or not end.tool_calls else None,
+                                        tool_calls=_tool_calls_out(end.tool_calls) or None)
+        lps = r.chat_logprobs(c.logprobs) if body.logprobs else None
+        out.append(r.ChatChoice(index=i, message=message, finish_reason=end.finish_reason, logprobs=lps))
+    resp = r.ChatCompletionResponse(id=rid, created=created, model=ctx.model_name, choices=out,
+                                    usage=_usage(book, choices), session_id=session_id)
     headers = {SESSION_HEADER: session_id} if session_id else None
     return JSONResponse(resp.model_dump(mode="json"), headers=headers)
 
 
-async def _stream(ctx: ServingContext, body: ChatCompletionRequest, book: TurnBookkeeping, turn: ChatTurn,
+async def _stream(ctx: ServingContext, body: ChatCompletionRequest, book: TurnBookkeeping,
                   rid: str, created: int) -> AsyncIterator[str]:
     session_id = body.session_id
 
-    def chunk(delta: r.DeltaMessage, finish: str | None = None, lps: list | None = None,
+    def chunk(index: int, delta: r.DeltaMessage, finish: str | None = None, lps: list | None = None,
               usage: r.Usage | None = None) -> r.ChatCompletionChunk:
         logprobs = r.chat_logprobs(lps) if lps else None
-        choices = [] if usage is not None else [r.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)]
+        choices = [] if usage is not None else [r.ChatChunkChoice(index=index, delta=delta, finish_reason=finish,
+                                                                  logprobs=logprobs)]
         return r.ChatCompletionChunk(id=rid, created=created, model=ctx.model_name, choices=choices, usage=usage,
                                      session_id=session_id)
 
-    events = turn.events()
-    content: list[str] = []
+    choices = [_Choice() for _ in book.turns]
+    events = merge_streams([t.events() for t in book.turns])
     try:
-        yield sse(chunk(r.DeltaMessage(role="assistant", content="")))
-        async for ev in events:
+        for i in range(len(choices)):
+            yield sse(chunk(i, r.DeltaMessage(role="assistant", content="")))
+        async for i, ev in events:
             if isinstance(ev, Delta):
-                content.append(ev.content)
+                choices[i].content.append(ev.content)
                 if ev.content or (ev.logprobs and body.logprobs):
-                    yield sse(chunk(r.DeltaMessage(content=ev.content), lps=ev.logprobs if body.logprobs else None))
+                    yield sse(chunk(i, r.DeltaMessage(content=ev.content), lps=ev.logprobs if body.logprobs else None))
                 continue
-            session_id = book.on_end(ev, "".join(content))
+            choices[i].end = ev
+            session_id = book.on_end(ev, "".join(choices[i].content)) or session_id
             if ev.tool_calls:
                 calls = _tool_calls_out(ev.tool_calls)
-                deltas = [r.ToolCallDelta(index=i, **c.model_dump()) for i, c in enumerate(calls)]
-                yield sse(chunk(r.DeltaMessage(tool_calls=deltas)))
-            yield sse(chunk(r.DeltaMessage(), finish=ev.finish_reason))
-            if body.include_usage:
-                yield sse(chunk(r.DeltaMessage(), usage=ev.usage))
+                deltas = [r.ToolCallDelta(index=k, **c.model_dump()) for k, c in enumerate(calls)]
+                yield sse(chunk(i, r.DeltaMessage(tool_calls=deltas)))
+            yield sse(chunk(i, r.DeltaMessage(), finish=ev.finish_reason))
+        if body.include_usage:
+            yield sse(chunk(0, r.DeltaMessage(), usage=_usage(book, choices)))
     except Exception as e:  # the status line is sent already: report in-band, as OpenAI does
         yield f"data: {error_json(to_api_error(e))}\n\n"
     finally:
         await events.aclose()
-        book.close()
+        await book.close()
     yield "data: [DONE]\n\n"
 

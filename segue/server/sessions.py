@@ -1,15 +1,17 @@
 """Sessions: conversations whose paused request the engine keeps between client turns.
 
-A response that ends on client-side tool calls leaves its request paused in the engine (detached
-from the finished HTTP stream); the session remembers what the client saw (`transcript`) and what
-the model holds (`context` + `segment`), so the client's next request, which repeats the whole
-history as OpenAI clients do, can be checked against the transcript and only the new messages fed
-to the engine. While paused, the request's KV follows the engine's interception policy (preserved,
-swapped or discarded), so a held session costs little device memory.
+A response that ends on client-side tool calls, or a session's turn that ends normally (a human
+turn is next; the request pauses at its stop token instead of finishing, see pause_on_stop), leaves
+its request paused in the engine (detached from the finished HTTP stream); the session remembers
+what the client saw (`transcript`) and what the model holds (`context` + `segment`), so the
+client's next request, which repeats the whole history as OpenAI clients do, can be checked
+against the transcript and only the new messages fed to the engine. While paused, the request's KV
+follows the engine's interception policy (preserved, swapped or discarded), so a held session
+costs little device memory; the idle expiry aborts it.
 
-A turn that ends normally (a human turn is next) finishes its request: the engine has no "pause on
-end of turn" yet, so the next turn starts a fresh request with the full history and the prefix
-cache serves the shared part (see README, sessions).
+A turn that ends on max_tokens (or on a stop string, whose text the client never sees but the
+context would keep) finishes its request; the next turn starts fresh from the full history and
+the prefix cache serves the shared part.
 
 Sessions belong to the tenant (API key) that made them; any other tenant gets the same 404 as for
 an unknown id, so ids cannot be probed.
@@ -46,6 +48,9 @@ class HeldRequest:
     server_results: list[dict[str, Any]]
     parser: SteeredParser | None
     tools: list[dict[str, Any]]
+    # Text of the token held after `segment` when the turn paused at its stop (the end-of-turn
+    # token): the next turn's rendered continuation starts with it, and it is not appended again.
+    end_text: str = ""
 
 
 @dataclass

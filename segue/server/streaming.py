@@ -7,7 +7,7 @@ by polling `is_disconnected` while they wait.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncGenerator, Awaitable, TypeVar
+from typing import AsyncGenerator, AsyncIterator, Awaitable, Sequence, TypeVar
 
 import anyio
 from fastapi import Request
@@ -68,13 +68,80 @@ async def unless_disconnected(request: Request, aw: Awaitable[T]) -> T | None:
             await asyncio.wait({task})
 
 
-async def prepend(first: RequestOutput,
-                  gen: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[RequestOutput, None]:
-    """The stream again with its already-awaited first output in front; closing it closes `gen`."""
+class Prepended:
+    """The stream again with its already-awaited first output in front. Closing it closes `gen`
+    (which aborts the engine request) even if it was never iterated, which an async generator's
+    aclose() would not do: with n choices, a stream may be dropped before anyone reads it."""
+
+    def __init__(self, first: RequestOutput, gen: AsyncGenerator[RequestOutput, None]) -> None:
+        self._first: RequestOutput | None = first
+        self._gen = gen
+        self._ended = False
+
+    def __aiter__(self) -> "Prepended":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._first is not None:
+            out, self._first = self._first, None
+            self._ended = out.finished
+            return out
+        if self._ended:
+            raise StopAsyncIteration
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        self._ended, self._first = True, None
+        await self._gen.aclose()
+
+
+def prepend(first: RequestOutput, gen: AsyncGenerator[RequestOutput, None]) -> Prepended:
+    return Prepended(first, gen)
+
+
+async def gather_all(aws: Sequence[Awaitable[T]]) -> list[T]:
+    """asyncio.gather, except that when one fails (or this is cancelled) the others are cancelled
+    and awaited, so no choice keeps generating for a response that will never be sent."""
+    tasks = [asyncio.ensure_future(aw) for aw in aws]
     try:
-        yield first
-        if not first.finished:
-            async for out in gen:
-                yield out
+        return list(await asyncio.gather(*tasks))
     finally:
-        await gen.aclose()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T], None]:
+    """Items of several streams as they come, tagged with their stream's index. Closing the merge
+    (or an error in any stream) cancels and closes them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item))
+        except Exception as e:  # handed to the consumer, which raises it
+            queue.put_nowait((i, e))
+        else:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()

@@ -55,6 +55,7 @@ class ChatRenderer:
         # for the rest the calls go into the content as the model would have written them.
         self.native_tool_calls = "tool_calls" in (template_source or "")
         self._renders_tools: bool | None = None
+        self._turn_ends: dict[str, bool] = {}
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         try:
@@ -96,6 +97,20 @@ class ChatRenderer:
             raise APIError(500, "the chat template does not render the conversation as a continuation of "
                                 "the generated text, so tool results cannot be appended", code="template_error")
         return full[at + len(core):]
+
+    def ends_turn_with(self, text: str) -> bool:
+        """Whether the template follows an assistant message's content with `text` (the stop
+        token's text) before the next message. Only then can a request paused at that stop token
+        continue into the next turn and hold the same context a fresh render would. Probed once
+        per text."""
+        if text not in self._turn_ends:
+            probe = [{"role": "user", "content": "x"}]
+            try:
+                after = self.continuation(probe, "y", [{"role": "user", "content": "z"}], None)
+            except APIError:
+                after = ""
+            self._turn_ends[text] = bool(text) and after.startswith(text)
+        return self._turn_ends[text]
 
     def template_messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
         """Client messages as chat templates expect them."""

@@ -5,7 +5,9 @@ the tools run here (concurrently, with their timeouts; failures become error res
 reads), their results are rendered in the template's tool-message form and appended, and the same
 engine request continues, so the client sees one response. If any call is the client's, the
 request stays paused (detached into a session) and the response ends with finish_reason
-"tool_calls". Tool durations are not recorded here: the engine times each interception itself.
+"tool_calls". A session's turn that ends normally pauses too (pause_on_stop): the response ends
+with "stop" and the session holds the request, its end-of-turn token included, for the human's
+reply. Tool durations are not recorded here: the engine times each interception itself.
 
 Text inside tool calls is never shown as content: deltas stop short of anything that could still
 become a call, and calls leave the stream as `tool_calls` (client-side) or not at all (server-side).
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from segue.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from segue.sampling_params import InvalidRequestError
@@ -23,7 +25,7 @@ from segue.server.errors import APIError
 from segue.server.limits import Deadline
 from segue.server.responses import Usage
 from segue.server.sessions import HeldRequest
-from segue.server.streaming import checked
+from segue.server.streaming import Prepended, checked
 from segue.tools.parser import ToolCallParser
 from segue.tools.spec import ToolCall
 
@@ -43,17 +45,18 @@ class TurnEnd:
     usage: Usage
     # The client's calls, when finish_reason is "tool_calls".
     tool_calls: list[ToolCall] = field(default_factory=list)
-    # The paused request, for the session, when finish_reason is "tool_calls".
+    # The paused request, for the session: on "tool_calls", and on "stop" in a session.
     held: HeldRequest | None = None
 
 
 class ChatTurn:
     """Drives one engine request (new or continued) for one HTTP response."""
 
-    def __init__(self, ctx: "ServingContext", request_id: str, outputs: AsyncGenerator[RequestOutput, None],
+    def __init__(self, ctx: "ServingContext", request_id: str, outputs: Prepended,
                  setup: ToolSetup, parser: SteeredParser | None, context: list[dict[str, Any]],
                  deadline: Deadline, *, prefix: str = "", text_start: int = 0, gen_start: int = 0,
-                 cached_tokens: int = 0, expected_tool_seconds: float | None = None) -> None:
+                 cached_tokens: int = 0, expected_tool_seconds: float | None = None,
+                 prompt_tokens: int = 0) -> None:
         self.ctx = ctx
         self.request_id = request_id
         self.outputs = outputs
@@ -67,6 +70,8 @@ class ChatTurn:
         self.text_start = text_start
         self.gen_start = gen_start
         self.cached_tokens = cached_tokens
+        # Length of a fresh turn's prompt (0 for a continued one), to count a shared prompt once.
+        self.prompt_tokens = prompt_tokens
         self.expected_tool_seconds = expected_tool_seconds
         self.emitted = 0  # characters of the current segment (prefix included) already handled
         self.sent_logprobs = gen_start
@@ -74,6 +79,10 @@ class ChatTurn:
         self.tool_seconds = 0.0
         self.first_token_at: float | None = None
         self.completion_tokens = 0
+
+    async def aclose(self) -> None:
+        """Abort the request unless it was detached; for turns whose events() never ran."""
+        await self.outputs.aclose()
 
     async def events(self) -> AsyncIterator[Delta | TurnEnd]:
         """Deltas, then exactly one TurnEnd (or an exception). Closing it early aborts the request."""
@@ -92,6 +101,9 @@ class ChatTurn:
                     yield delta
                 if out.finished:
                     yield self._end(out, c.finish_reason or "stop")
+                    return
+                if _ended_turn(out):
+                    yield self._hold_at_stop(out, c)
                     return
                 if out.paused:
                     end = await self._on_pause(out, c)
@@ -117,7 +129,7 @@ class ChatTurn:
         if end <= self.emitted:
             return ""
         chunk, self.emitted = seg[self.emitted:end], end
-        if self.splitter is None or (out.finished and not out.paused):
+        if self.splitter is None or out.finished or _ended_turn(out):
             # A call cut off by max_tokens stays visible: the client should see what was written.
             return chunk
         return self.splitter.find_calls(chunk, strip=False)[0]
@@ -138,6 +150,24 @@ class ChatTurn:
         return TurnEnd(reason, usage, calls or [], held)
 
     # ---- pauses --------------------------------------------------------------------------
+    def _hold_at_stop(self, out: RequestOutput, c: CompletionOutput) -> TurnEnd:
+        """The turn ended at a stop with its request paused: hand it to the session when its context
+        is what the next turn's rendering would continue; otherwise it is aborted (events' finally)
+        and the next turn starts fresh, as after a finished turn."""
+        end = self._end(out, "stop")
+        if isinstance(c.stop_reason, str) or not c.token_ids:
+            # A stop string: the context holds text the client never saw (its history will not).
+            return end
+        tokenizer = self.ctx.engine.engine.tokenizer
+        end_text = tokenizer.decode([c.token_ids[-1]], skip_special_tokens=False)
+        if not self.ctx.renderer.ends_turn_with(end_text):
+            return end
+        self.ctx.engine.detach(self.request_id)
+        end.held = HeldRequest(self.request_id, list(out.prompt_token_ids) + list(c.token_ids), self.context,
+                               self._segment(c), len(c.text), c.num_generated_tokens, [], self.parser,
+                               self.setup.tools, end_text=end_text)
+        return end
+
     async def _on_pause(self, out: RequestOutput, c: CompletionOutput) -> TurnEnd | None:
         calls = list(c.tool_calls or [])
         client_calls = [call for call in calls if self.setup.is_client_call(call)]
@@ -187,3 +217,8 @@ class ChatTurn:
             if req is not None and req.interception is not None:
                 req.interception.expected_duration = seconds
         await self.ctx.engine.run_sync(poke)
+
+
+def _ended_turn(out: RequestOutput) -> bool:
+    """Paused at a stop (pause_on_stop): the turn is over but the request lives on."""
+    return out.paused and out.outputs[0].finish_reason == "stop"

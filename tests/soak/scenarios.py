@@ -238,7 +238,7 @@ MALFORMED: list[tuple[str, str, Any, int]] = [
     ("POST", "/v1/chat/completions", {"messages": _MSG, "max_tokens": "abc"}, 400),
     ("POST", "/v1/chat/completions", {"messages": _MSG, "max_tokens": -5}, 400),
     ("POST", "/v1/chat/completions", {"messages": _MSG, "temperature": -1.0}, 400),
-    ("POST", "/v1/chat/completions", {"messages": _MSG, "n": 2}, 400),
+    ("POST", "/v1/chat/completions", {"messages": _MSG, "n": 17}, 400),
     ("POST", "/v1/chat/completions", {"messages": _MSG, "model": "no-such-model"}, 404),
     ("POST", "/v1/chat/completions", {"messages": _MSG, "tool_choice": "sometimes"}, 400),
     ("POST", "/v1/chat/completions", {"messages": _MSG, "tools": [{"type": "function",

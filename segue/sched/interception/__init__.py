@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from segue.sched.interception.base import Decision, InterceptionPolicy, PausedRequest, StepState
+from segue.sched.interception.lamps import LAMPSInterceptionPolicy
 from segue.sched.interception.min_waste import MinWastePolicy
 from segue.sched.interception.simple import DiscardPolicy, ImprovedDiscardPolicy, PreservePolicy, SwapPolicy
 from segue.sched.interception.ttl import TTLPolicy
 
 INTERCEPTION_POLICIES: dict[str, type[InterceptionPolicy]] = {
     cls.name: cls for cls in (DiscardPolicy, ImprovedDiscardPolicy, PreservePolicy, SwapPolicy,
-                              TTLPolicy, MinWastePolicy)
+                              TTLPolicy, MinWastePolicy, LAMPSInterceptionPolicy)
 }
 
 

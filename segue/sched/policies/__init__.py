@@ -3,8 +3,13 @@ from __future__ import annotations
 
 from segue.sched.policies.base import PolicyContext, SchedulingPolicy
 from segue.sched.policies.fcfs import FCFSPolicy
+from segue.sched.policies.lamps import LAMPSPolicy
+from segue.sched.policies.mlfq import MLFQPolicy
+from segue.sched.policies.program_las import ProgramLASPolicy
 
-POLICIES: dict[str, type[SchedulingPolicy]] = {cls.name: cls for cls in (FCFSPolicy,)}
+POLICIES: dict[str, type[SchedulingPolicy]] = {cls.name: cls for cls in (FCFSPolicy, MLFQPolicy)}
+POLICIES[LAMPSPolicy.name] = LAMPSPolicy
+POLICIES[ProgramLASPolicy.name] = ProgramLASPolicy
 
 
 def make_policy(name: str, context: PolicyContext | None = None) -> SchedulingPolicy:

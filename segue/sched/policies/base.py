@@ -29,6 +29,11 @@ class SchedulingPolicy(ABC):
     clock (virtual in the simulator)."""
 
     name: ClassVar[str]
+    # Iteration-level preemption (FastServe): every step, running requests compete with waiting
+    # ones for the token budget and the sequence slots in key order; one that loses keeps its KV
+    # and waits, and under memory pressure lower-priority holders give up their KV in
+    # `preemption_order`. False: running requests keep their place until memory runs out (vLLM).
+    preemptive: ClassVar[bool] = False
 
     def __init__(self, context: PolicyContext | None = None) -> None:
         self.context = context or PolicyContext()
@@ -54,3 +59,13 @@ class SchedulingPolicy(ABC):
 
     def on_finished(self, request: Request, now: float) -> None:
         """Called once when a request leaves the system."""
+
+    def preemption_order(self, requests: list[Request], now: float) -> list[Request]:
+        """Which KV holders give up memory first (first = first victim), for preemptive policies
+        and for the arrival reserve. Default: the largest key first."""
+        return sorted(requests, key=lambda r: self.key(r, now), reverse=True)
+
+    def reserved_blocks(self, now: float) -> int:
+        """Device blocks to keep free for arrivals; the scheduler swaps pending requests out (in
+        `preemption_order`, within the step's swap budget) to keep them free. Default: none."""
+        return 0

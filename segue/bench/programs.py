@@ -1,0 +1,290 @@
+"""`segue bench programs`: Parrot-style programs against request-centric clients (paper 003 §8.2-8.3).
+
+Workloads over one long public-domain text (by default the API documentation in liblzma's headers,
+/usr/include/lzma/*.h, which their author put in the public domain), cut into chunks by tokens:
+
+- chain summary: each step summarizes the next chunk together with the summary so far;
+- map-reduce summary: one call per chunk, then one call that combines their summaries;
+- shared prefix: many questions over the same document prefix, prefix caching on vs off.
+
+Program runs use segue.program.client over the /v1/programs API; the baseline makes each call
+itself through /v1/completions, feeding outputs to the next call on the client. Every HTTP round
+trip of both pays the emulated network delay (half before the request leaves, half before the
+response arrives). Every run gets a fresh engine (same weights and settings) and server, so no run
+reads KV that an earlier one cached.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import json
+import re
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from segue.bench import Benchmark
+
+DEFAULT_DOCUMENT = "/usr/include/lzma/*.h"
+CHAIN = ("Summary of the document so far:\n{{input:summary}}\n\nNext part of the document:\n{{input:chunk}}\n\n"
+         "Updated summary of the document so far:{{output:new_summary}}")
+MAP = "Summarize this part of a document.\n\n{{input:chunk}}\n\nSummary:{{output:summary}}"
+QUESTIONS = ["What is this about?", "List the main functions.", "Which errors can occur?", "Who wrote it?",
+             "What does it return?", "Is it thread safe?", "What are the limits?", "Give an example."]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--document", default=DEFAULT_DOCUMENT, help="text file(s) (glob) to summarize")
+    g.add_argument("--chunks", type=int, default=8, help="chunks per document (default: 8)")
+    g.add_argument("--chunk-tokens", type=int, default=128, help="tokens per chunk (default: 128)")
+    g.add_argument("--output-tokens", default="8,32", help="generated tokens per call, comma separated "
+                   "values to sweep (default: 8,32; EOS ignored so lengths are exact)")
+    g.add_argument("--delay-ms", type=float, default=250.0, help="emulated network delay per round trip")
+    g.add_argument("--repeats", type=int, default=2, help="runs of each configuration (default: 2)")
+    g.add_argument("--shared-calls", type=int, default=12, help="calls in the shared-prefix run (default: 12)")
+    g.add_argument("--shared-prefix-tokens", type=int, default=768, help="shared document tokens (default: 768)")
+    g.add_argument("--skip", default="", help="comma separated parts to skip: chain, map-reduce, shared-prefix")
+    g.add_argument("--output-json", default=None, metavar="PATH")
+
+
+def load_document(pattern: str) -> str:
+    """The files' text with C comment markers and preprocessor lines removed."""
+    paths = sorted(glob.glob(pattern))
+    if not paths:
+        raise SystemExit(f"no document found at {pattern!r}; pass --document PATH (any long text file)")
+    lines = []
+    for path in paths:
+        for line in open(path, encoding="utf-8", errors="replace"):
+            line = re.sub(r"^\s*(/\*\*?|\*/|\*)", "", line).replace("*/", "").rstrip()
+            if not line.lstrip().startswith("#"):
+                lines.append(line)
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines))
+
+
+def delayed_transport(delay_s: float) -> Any:
+    import httpx
+
+    class DelayedTransport(httpx.HTTPTransport):
+        """Emulated WAN latency: every round trip takes delay_s longer (half each way)."""
+
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            time.sleep(delay_s / 2)
+            response = super().handle_request(request)
+            time.sleep(delay_s / 2)
+            return response
+    return DelayedTransport()
+
+
+class LiveServer:
+    """A fresh engine over the loaded weights, served by uvicorn on a thread."""
+
+    def __init__(self, make_engine: Callable[[], Any], share_prefix: bool = True) -> None:
+        import uvicorn
+
+        from segue.async_engine import AsyncLLMEngine
+        from segue.program.executor import ProgramExecutor
+        from segue.server.app import create_app
+
+        self.engine = AsyncLLMEngine(make_engine())
+        app = create_app(self.engine)
+        llm = self.engine.engine
+        app.state.programs = ProgramExecutor(self.engine, llm.encode, llm.max_model_len, share_prefix=share_prefix)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import asyncio
+
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+        asyncio.run(self.engine.shutdown())
+
+
+def chain_program(url: str, chunks: list[str], n: int, delay: float) -> float:
+    from segue.program.client import Client, semantic_function, strip
+
+    summarize = semantic_function(CHAIN, max_tokens=n, ignore_eos=True, transforms=[strip()])(
+        lambda summary, chunk: None)
+    with Client(url, transport=delayed_transport(delay)) as client:
+        start = time.monotonic()
+        with client.program():
+            summary: Any = "(nothing yet)"
+            for chunk in chunks:
+                summary = summarize(summary, chunk)
+            summary.get(criteria="latency")
+            return time.monotonic() - start
+
+
+def map_reduce_program(url: str, chunks: list[str], n: int, delay: float) -> float:
+    from segue.program.client import Client, semantic_function, strip
+
+    summarize = semantic_function(MAP, max_tokens=n, ignore_eos=True, transforms=[strip()])(lambda chunk: None)
+    combine = semantic_function(_reduce_template(len(chunks)), max_tokens=n, ignore_eos=True)(lambda **s: None)
+    with Client(url, transport=delayed_transport(delay)) as client:
+        start = time.monotonic()
+        with client.program():
+            parts = [summarize(c) for c in chunks]
+            combine(**{f"s{i}": p for i, p in enumerate(parts)}).get(criteria="latency")
+            return time.monotonic() - start
+
+
+def _reduce_template(k: int) -> str:
+    return ("Combine these summaries of parts of one document into one summary.\n\n"
+            + "\n".join(f"- {{{{input:s{i}}}}}" for i in range(k)) + "\n\nSummary:{{output:final}}")
+
+
+def _complete(http: Any, prompt: str, n: int) -> str:
+    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True})
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"].strip()
+
+
+def chain_baseline(url: str, chunks: list[str], n: int, delay: float) -> float:
+    import httpx
+
+    from segue.program.template import Template
+
+    t = Template.parse(CHAIN)
+    with httpx.Client(base_url=url, transport=delayed_transport(delay), timeout=600) as http:
+        start = time.monotonic()
+        summary = "(nothing yet)"
+        for chunk in chunks:
+            summary = _complete(http, t.render_text({"summary": summary, "chunk": chunk}), n)
+        return time.monotonic() - start
+
+
+def map_reduce_baseline(url: str, chunks: list[str], n: int, delay: float) -> float:
+    import httpx
+
+    from segue.program.template import Template
+
+    t, r = Template.parse(MAP), Template.parse(_reduce_template(len(chunks)))
+    with httpx.Client(base_url=url, transport=delayed_transport(delay), timeout=600) as http, \
+            ThreadPoolExecutor(len(chunks)) as pool:
+        start = time.monotonic()
+        # Independent calls go out concurrently, as the paper's baseline does too.
+        parts = list(pool.map(lambda c: _complete(http, t.render_text({"chunk": c}), n), chunks))
+        _complete(http, r.render_text({f"s{i}": p for i, p in enumerate(parts)}), n)
+        return time.monotonic() - start
+
+
+def shared_prefix_run(url: str, doc: str, calls: int, n: int) -> float:
+    """Seconds from the document being set to the last answer (all calls are submitted first)."""
+    from segue.program.client import Client, semantic_function
+
+    with Client(url) as client, client.program() as p:
+        document = p.variable(None, "doc")
+        answers = [semantic_function(f"{{{{input:doc}}}}\n\nQuestion {i}: {QUESTIONS[i % len(QUESTIONS)]}\n"
+                                     "Answer:{{output:answer}}", max_tokens=n, ignore_eos=True)(
+            lambda doc: None)(document) for i in range(calls)]
+        for a in answers:
+            a.id  # every call is on the server before the clock starts
+        start = time.monotonic()
+        document.set(doc)
+        for a in answers:
+            a.get(criteria="throughput")
+        return time.monotonic() - start
+
+
+def run(args: argparse.Namespace) -> int:
+    from segue.cli import engine_config_from_args
+    from segue.engine import LLMEngine
+
+    base = engine_config_from_args(args)
+    executor, tokenizer, model_config, model_name, chat_template = LLMEngine._load(base)
+
+    def factory(prefix_caching: bool = True) -> Callable[[], Any]:
+        config = copy.deepcopy(base)
+        config.cache.enable_prefix_caching = prefix_caching
+        return lambda: LLMEngine(config, executor=executor, tokenizer=tokenizer, model_config=model_config,
+                                 model_name=model_name, chat_template=chat_template)
+
+    text = load_document(args.document)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    need = args.chunks * args.chunk_tokens
+    if len(ids) < max(need, args.shared_prefix_tokens):
+        raise SystemExit(f"the document has {len(ids)} tokens; the workload needs {need}")
+    chunks = [tokenizer.decode(ids[i * args.chunk_tokens:(i + 1) * args.chunk_tokens]) for i in range(args.chunks)]
+    skip = set(filter(None, args.skip.split(",")))
+    delay = args.delay_ms / 1000
+    results: dict[str, Any] = {"model": model_name, "document": args.document, "document_tokens": len(ids),
+                               "chunks": args.chunks, "chunk_tokens": args.chunk_tokens, "delay_ms": args.delay_ms,
+                               "runs": []}
+    with LiveServer(factory()) as s:  # warm-up: the first forward passes are slow
+        chain_baseline(s.url, chunks[:2], 4, 0.0)
+    workloads = [("chain", chain_program, chain_baseline), ("map-reduce", map_reduce_program, map_reduce_baseline)]
+    for name, program_fn, baseline_fn in workloads:
+        if name in skip:
+            continue
+        for n in [int(x) for x in args.output_tokens.split(",")]:
+            times: dict[str, list[float]] = {"program": [], "baseline": []}
+            for _ in range(args.repeats):
+                for kind, fn in (("baseline", baseline_fn), ("program", program_fn)):
+                    with LiveServer(factory()) as s:
+                        times[kind].append(fn(s.url, chunks, n, delay))
+            row = {"workload": name, "output_tokens": n, **{f"{k}_s": v for k, v in times.items()},
+                   "speedup": sum(times["baseline"]) / sum(times["program"])}
+            results["runs"].append(row)
+            print(json.dumps(row), file=sys.stderr)
+    if "shared-prefix" not in skip:
+        doc = tokenizer.decode(ids[:args.shared_prefix_tokens])
+        n = int(args.output_tokens.split(",")[0])
+        configs = [("caching on, prefix gate on", True, True), ("caching on, scheduler only", True, False),
+                   ("caching off", False, False)]
+        for label, caching, gate in configs:
+            secs = []
+            for _ in range(args.repeats):
+                with LiveServer(factory(caching), share_prefix=gate) as s:
+                    secs.append(shared_prefix_run(s.url, doc, args.shared_calls, n))
+            row = {"workload": "shared-prefix", "config": label, "calls": args.shared_calls, "output_tokens": n,
+                   "seconds": secs, "calls_per_s": args.shared_calls * len(secs) / sum(secs)}
+            results["runs"].append(row)
+            print(json.dumps(row), file=sys.stderr)
+    print(render(results))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def render(results: dict[str, Any]) -> str:
+    lines = [f"segue bench programs — {results['model']}, {results['chunks']} chunks x {results['chunk_tokens']} "
+             f"tokens of {results['document']}, {results['delay_ms']:g} ms per round trip", "",
+             "| workload | output tokens | baseline s (runs) | program s (runs) | speedup |", "|---|---:|---|---|---:|"]
+    fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    for r in results["runs"]:
+        if r["workload"] != "shared-prefix":
+            lines.append(f"| {r['workload']} | {r['output_tokens']} | {fmt(r['baseline_s'])} | {fmt(r['program_s'])} "
+                         f"| **{r['speedup']:.2f}x** |")
+    shared = [r for r in results["runs"] if r["workload"] == "shared-prefix"]
+    if shared:
+        off = next((r["calls_per_s"] for r in shared if r["config"] == "caching off"), None)
+        lines += ["", "| shared prefix | seconds (runs) | calls/s | vs caching off |", "|---|---|---:|---:|"]
+        for r in shared:
+            ratio = f"{r['calls_per_s'] / off:.2f}x" if off else "-"
+            lines.append(f"| {r['config']} | {fmt(r['seconds'])} | {r['calls_per_s']:.2f} | {ratio} |")
+    return "\n".join(lines)
+
+
+BENCHMARK = Benchmark(
+    name="programs",
+    help="Parrot-style programs vs request-centric clients: chain and map-reduce summaries, shared prefixes",
+    add_arguments=add_arguments,
+    run=run,
+    description=__doc__,
+)

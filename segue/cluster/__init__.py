@@ -1,0 +1,69 @@
+"""Several engines behind one server: a router, engine replicas (in process or Ray actors), a pool.
+
+`build_engine(config, n)` is what `segue serve --engines N` runs: one in-process AsyncLLMEngine for
+N = 1 (nothing to place), else a local Ray instance with N engine actors behind an EnginePool.
+`build_local_pool` puts N engines in this process instead (tests and benchmarks without Ray; the
+engines' step threads then share one Python process).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING
+
+from segue.cluster.router import LoadReport, PlacementReason, RouteDecision, RouteRequest, Router, make_router
+
+if TYPE_CHECKING:
+    from segue.async_engine import AsyncLLMEngine
+    from segue.cluster.pool import EnginePool
+    from segue.config import EngineConfig
+
+__all__ = ["LoadReport", "PlacementReason", "RouteDecision", "RouteRequest", "Router", "make_router",
+           "build_engine", "build_local_pool", "build_ray_pool"]
+
+
+def _router(config: "EngineConfig", num_engines: int, router: str) -> Router:
+    options = {"block_size": config.cache.block_size} if router == "affinity" else {}
+    return make_router(router, num_engines, **options)
+
+
+def build_local_pool(config: "EngineConfig", num_engines: int, router: str = "affinity") -> "EnginePool":
+    from segue.async_engine import AsyncLLMEngine
+    from segue.cluster.local_replica import LocalReplica
+    from segue.cluster.pool import EnginePool
+
+    replicas = [LocalReplica(i, AsyncLLMEngine.from_config(config)) for i in range(num_engines)]
+    return EnginePool(replicas, _router(config, num_engines, router))
+
+
+def build_ray_pool(config: "EngineConfig", num_engines: int, router: str = "affinity",
+                   num_cpus: int | None = None) -> "EnginePool":
+    """N engine actors on a local Ray instance (started here unless Ray is initialised already).
+    Each actor reserves num_cpus / N Ray CPUs, and gets that many torch threads unless --threads
+    says otherwise: engines on shared cores must not each spawn a thread per core."""
+    from segue.cluster.pool import EnginePool
+    from segue.cluster.ray_runtime import start_local_ray
+
+    cpus = num_cpus or os.cpu_count() or 1
+    stop = start_local_ray(cpus)
+    try:
+        from segue.cluster.ray_replica import create_ray_replicas
+
+        threads = config.num_threads or max(1, cpus // num_engines)
+        replica_config = dataclasses.replace(config, num_threads=threads)
+        replicas = create_ray_replicas(replica_config, num_engines, cpus / num_engines)
+        return EnginePool(replicas, _router(config, num_engines, router), on_shutdown=stop)
+    except BaseException:
+        if stop is not None:
+            stop()
+        raise
+
+
+def build_engine(config: "EngineConfig", num_engines: int = 1, router: str = "affinity",
+                 num_cpus: int | None = None) -> "AsyncLLMEngine | EnginePool":
+    if num_engines < 1:
+        raise ValueError(f"--engines must be >= 1, got {num_engines}")
+    if num_engines == 1:
+        from segue.async_engine import AsyncLLMEngine
+        return AsyncLLMEngine.from_config(config)
+    return build_ray_pool(config, num_engines, router, num_cpus)

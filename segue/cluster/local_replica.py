@@ -1,0 +1,58 @@
+"""A replica in this process: an AsyncLLMEngine behind the EngineReplica interface (no Ray)."""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+from segue.async_engine import AsyncLLMEngine
+from segue.cluster.front import ModelInfo, model_info
+from segue.cluster.replica import EngineReplica, ReplicaOutput, load_report
+from segue.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from segue.engine import LLMEngine
+
+
+class LocalReplica(EngineReplica):
+    def __init__(self, index: int, engine: AsyncLLMEngine) -> None:
+        self.index = index
+        self.engine = engine
+
+    def describe(self) -> ModelInfo:
+        return model_info(self.engine.engine)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       hints: dict[str, Any]) -> AsyncIterator[ReplicaOutput]:
+        # aclosing: leaving this stream must close the engine's at once (its finally aborts the request).
+        async with contextlib.aclosing(self.engine.generate(prompt_token_ids, params, request_id, **hints)) as outs:
+            async for out in outs:
+                yield out, load_report(self.engine.engine)
+
+    async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
+                               tool_parser: Any) -> AsyncIterator[ReplicaOutput]:
+        # In process the engine holds the caller's parser object itself: nothing to refresh.
+        async with contextlib.aclosing(self.engine.continue_request(request_id, tokens, params)) as outs:
+            async for out in outs:
+                yield out, load_report(self.engine.engine)
+
+    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None) -> None:
+        await self.engine.resume(request_id, tokens, params)
+
+    def detach(self, request_id: str) -> None:
+        self.engine.detach(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def run_sync(self, fn: Callable[["LLMEngine"], Any]) -> Any:
+        return await self.engine.run_sync(fn)
+
+    def set_tool_hint(self, name: str, seconds: float | None) -> None:
+        self.engine.engine.tool_stats.set_hint(name, seconds)
+
+    @property
+    def is_running(self) -> bool:
+        return self.engine.is_running
+
+    async def shutdown(self, drain_timeout: float = 0.0) -> None:
+        await self.engine.shutdown(drain_timeout)

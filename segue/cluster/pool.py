@@ -1,0 +1,189 @@
+"""EnginePool: the AsyncLLMEngine interface over several engine replicas.
+
+The server keeps talking to "the engine"; the pool places each new request with its Router and
+sends everything that follows (continue, resume, detach, abort, run_sync by request id) to the
+replica that holds it. `engine.engine` is a ModelFront: the tokenizer, chat template and limits,
+the same on every replica.
+
+run_sync(fn) without a request id runs fn on every live replica and merges the answers
+(segue/cluster/merge.py): /metrics thus reports sums over replicas (queues, KV blocks, waste, prefix
+hits, steps); tool duration quantiles are per replica (the one with most observations is shown).
+`is_running` (/health) is true only while every replica is; a Ray replica's death is noticed on
+the next call that reaches it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from segue.async_engine import EngineDeadError
+from segue.cluster.front import ModelFront
+from segue.cluster.merge import merge_results
+from segue.cluster.replica import EngineReplica, ReplicaOutput
+from segue.cluster.router import RouteRequest, Router
+from segue.outputs import RequestOutput
+from segue.sampling_params import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EnginePool:
+    def __init__(self, replicas: Sequence[EngineReplica], router: Router,
+                 on_shutdown: Callable[[], None] | None = None) -> None:
+        if not replicas or router.num_replicas != len(replicas):
+            raise ValueError(f"the router expects {router.num_replicas} replicas, got {len(replicas)}")
+        self.replicas = list(replicas)
+        self.router = router
+        self.engine = ModelFront(self.replicas[0].describe(), self.replicas)
+        self._on_shutdown = on_shutdown
+        self._closing = False
+        # Request id -> replica index, from placement until the request is gone (finished, aborted).
+        self._owners: dict[str, int] = {}
+        self._streaming: set[str] = set()
+        self._detached: set[str] = set()
+        self._parsers: dict[str, Any] = {}
+        self._prompts: dict[str, str] = {}
+
+    # ---- the AsyncLLMEngine interface ----------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       **hints: Any) -> AsyncIterator[RequestOutput]:
+        """hints: the engine's (priority, program_id, tool_parser, cache_salt, expected_tool_s) plus
+        task_group, which only the router reads."""
+        self._check_alive()
+        task_group = hints.pop("task_group", None)
+        rid = request_id or uuid.uuid4().hex
+        self._check_free(rid)
+        loop = asyncio.get_running_loop()
+        token_ids = await loop.run_in_executor(None, lambda: self.engine.make_request(rid, prompt, params))
+        self._check_alive()
+        self._check_free(rid)
+        self._sync_availability()
+        decision = self.router.route(RouteRequest(rid, token_ids, hints.get("program_id"), task_group,
+                                                  hints.get("cache_salt")))
+        replica = self.replicas[decision.replica]
+        self._owners[rid] = decision.replica
+        if hints.get("tool_parser") is not None:
+            self._parsers[rid] = hints["tool_parser"]
+        if isinstance(prompt, str):
+            self._prompts[rid] = prompt
+        async for out in self._stream(rid, replica, replica.generate(token_ids, params, rid, hints)):
+            yield out
+
+    async def continue_request(self, request_id: str, tokens: list[int],
+                               params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        self._check_alive()
+        replica = self._replica_of(request_id)
+        if request_id in self._streaming:
+            raise InvalidRequestError(f"request {request_id!r} is still streaming")
+        self._detached.discard(request_id)
+        source = replica.continue_request(request_id, tokens, params, self._parsers.get(request_id))
+        async for out in self._stream(request_id, replica, source):
+            yield out
+
+    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None = None) -> None:
+        self._check_alive()
+        await self._replica_of(request_id).resume(request_id, tokens, params)
+
+    def detach(self, request_id: str) -> None:
+        index = self._owners.get(request_id)
+        if index is not None:
+            self._detached.add(request_id)
+            self.replicas[index].detach(request_id)
+
+    def abort(self, request_id: str) -> None:
+        index = self._owners.get(request_id)
+        if index is None:
+            return
+        self._detached.discard(request_id)
+        self.replicas[index].abort(request_id)
+        if request_id not in self._streaming:
+            self._forget(request_id)
+
+    async def run_sync(self, fn: Callable[[Any], Any], request_id: str | None = None) -> Any:
+        """fn(LLMEngine) on the replica holding request_id, or on every live replica, merged."""
+        self._check_alive()
+        if request_id is not None:
+            return await self._replica_of(request_id).run_sync(fn)
+        live = [r for r in self.replicas if r.is_running]
+        return merge_results(await asyncio.gather(*(r.run_sync(fn) for r in live)))
+
+    @property
+    def is_running(self) -> bool:
+        return not self._closing and all(r.is_running for r in self.replicas)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._streaming)
+
+    async def shutdown(self, drain_timeout: float = 0.0) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        results = await asyncio.gather(*(r.shutdown(drain_timeout) for r in self.replicas), return_exceptions=True)
+        for replica, result in zip(self.replicas, results):
+            if isinstance(result, BaseException):
+                logger.warning("engine replica %d did not shut down cleanly: %r", replica.index, result)
+        if self._on_shutdown is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._on_shutdown)
+
+    # ---- introspection (benchmarks, tests) -----------------------------------------------
+    def owner_of(self, request_id: str) -> int | None:
+        return self._owners.get(request_id)
+
+    # ---- internals -----------------------------------------------------------------------
+    async def _stream(self, rid: str, replica: EngineReplica,
+                      source: AsyncIterator[ReplicaOutput]) -> AsyncIterator[RequestOutput]:
+        self._streaming.add(rid)
+        finished = False
+        try:
+            async with contextlib.aclosing(source) as outputs:  # type: ignore[type-var]
+                async for out, load in outputs:
+                    self.router.report_load(replica.index, load)
+                    self.router.confirm(rid)
+                    prompt = self._prompts.get(rid)
+                    if prompt is not None:
+                        out.prompt = prompt
+                    finished = out.finished
+                    yield out
+                    if finished:
+                        return
+        finally:
+            self.router.confirm(rid)
+            self._streaming.discard(rid)
+            if not finished and rid not in self._detached:
+                # The replica's stream aborted it already when it was open; not when opening failed
+                # (continue_request of a request still paused): abort is idempotent, so always.
+                replica.abort(rid)
+            if finished or rid not in self._detached:
+                self._forget(rid)
+
+    def _sync_availability(self) -> None:
+        for replica in self.replicas:
+            if not replica.is_running and self.router.is_available(replica.index):
+                logger.error("engine replica %d is down; routing around it", replica.index)
+                self.router.set_available(replica.index, False)
+
+    def _forget(self, rid: str) -> None:
+        self._owners.pop(rid, None)
+        self._detached.discard(rid)
+        self._parsers.pop(rid, None)
+        self._prompts.pop(rid, None)
+
+    def _replica_of(self, request_id: str) -> EngineReplica:
+        index = self._owners.get(request_id)
+        if index is None:
+            raise InvalidRequestError(f"request {request_id!r} is not paused")
+        return self.replicas[index]
+
+    def _check_free(self, rid: str) -> None:
+        if rid in self._owners:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+
+    def _check_alive(self) -> None:
+        if self._closing:
+            raise EngineDeadError("the engine pool is shut down")
+        if not any(r.is_running for r in self.replicas):
+            raise EngineDeadError("every engine replica is gone")

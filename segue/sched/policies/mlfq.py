@@ -1,0 +1,211 @@
+"""Skip-join multi-level feedback queue (FastServe §4.1) with ENST-ordered KV eviction and an
+arrival reserve (§4.2).
+
+Queue k has quantum q_k = base * 2**k. An arriving request skips the queues whose quantum is
+shorter than its first iteration (the prefill, priced by the profiled T_fwd), so a long prompt
+cannot block short ones the way it does in a plain MLFQ. Service is counted in iteration time;
+a request that used up its queue's quantum drops to the first lower queue whose quantum covers
+its next iteration. A request that waited `starvation_limit_s` without service goes back to the
+top queue. Within a queue, FIFO by the time the request entered it.
+
+Options (`scheduler.policy_options`):
+  num_queues           number of queues (default 12; the last one never demotes)
+  base_quantum_s       q_0 (default: T_fwd of a one-token decode step, the minimum iteration time)
+  starvation_limit_s   waiting time without service before promotion to q_0 (default 1.0; FastServe
+                       derives it from the latency SLO)
+  skip_join            False joins every arrival to q_0: the original MLFQ, for ablations (default True)
+  reserve_window_s     device KV kept free for arrivals: the prompt tokens that arrived in the last
+                       this-many seconds (default 1.0; 0 disables the reserve)
+  max_reserve_fraction cap on that reserve as a fraction of the device pool (default 0.25)
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from segue.request import Request
+from segue.sched.policies.base import PolicyContext, SchedulingPolicy
+
+_EPS = 1e-9
+
+
+@dataclass
+class MLFQOptions:
+    num_queues: int = 12
+    base_quantum_s: float | None = None
+    starvation_limit_s: float = 1.0
+    skip_join: bool = True
+    reserve_window_s: float = 1.0
+    max_reserve_fraction: float = 0.25
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> "MLFQOptions":
+        unknown = set(options) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown mlfq options {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
+        opts = cls(**options)
+        if opts.num_queues < 1:
+            raise ValueError("mlfq num_queues must be >= 1")
+        if opts.base_quantum_s is not None and opts.base_quantum_s <= 0:
+            raise ValueError("mlfq base_quantum_s must be positive")
+        if opts.starvation_limit_s <= 0 or opts.reserve_window_s < 0:
+            raise ValueError("mlfq starvation_limit_s must be positive and reserve_window_s >= 0")
+        if not 0 <= opts.max_reserve_fraction < 1:
+            raise ValueError("mlfq max_reserve_fraction must be in [0, 1)")
+        return opts
+
+
+@dataclass
+class QueueEntry:
+    """Where one request sits in the MLFQ."""
+    level: int
+    # FIFO position inside the queue: a counter taken when the request entered it.
+    ticket: int
+    # Iteration time received since entering this queue.
+    attained_s: float
+    last_served: float
+    paused: bool = False
+
+
+class MLFQPolicy(SchedulingPolicy):
+    name = "mlfq"
+    preemptive: ClassVar[bool] = True
+
+    def __init__(self, context: PolicyContext | None = None) -> None:
+        super().__init__(context)
+        self.options = MLFQOptions.from_dict(dict(self.context.options))
+        base = self.options.base_quantum_s or self.context.cost.t_fwd(1)
+        self.quanta = [base * 2**k for k in range(self.options.num_queues)]
+        self.entries: dict[str, QueueEntry] = {}
+        self._tickets = 0
+        # Requests served in the previous step: the batch size B of FastServe's ENST.
+        self._served_this_step = 0
+        self._batch_size = 1
+        self._arrivals: deque[tuple[float, int]] = deque()
+
+    # ---- queue placement -----------------------------------------------------------------
+    def level_for(self, iteration_s: float, at_least: int = 0) -> int:
+        """The highest queue at or below `at_least` whose quantum covers one iteration."""
+        for k in range(at_least, len(self.quanta)):
+            if self.quanta[k] + _EPS >= iteration_s:
+                return k
+        return len(self.quanta) - 1
+
+    def _enter(self, entry: QueueEntry, level: int) -> None:
+        entry.level = level
+        entry.attained_s = 0.0
+        entry.ticket = self._tickets
+        self._tickets += 1
+
+    def on_arrival(self, request: Request, now: float) -> None:
+        prefill = request.num_tokens - request.num_computed_tokens
+        level = self.level_for(self.context.cost.t_fwd(prefill)) if self.options.skip_join else 0
+        entry = QueueEntry(level, 0, 0.0, now)
+        self._enter(entry, level)
+        self.entries[request.request_id] = entry
+        self._arrivals.append((now, request.num_prompt_tokens))
+
+    def key(self, request: Request, now: float) -> tuple[int, int, int]:
+        entry = self.entries.get(request.request_id)
+        if entry is None:  # never announced: behind everything known, FCFS among themselves
+            return (len(self.quanta), 0, request.seq_no)
+        return (entry.level, entry.ticket, request.seq_no)
+
+    # ---- service, demotion, promotion ----------------------------------------------------
+    def on_step(self, now: float) -> None:
+        self._batch_size = max(1, self._served_this_step)
+        self._served_this_step = 0
+        limit = self.options.starvation_limit_s
+        for entry in self.entries.values():
+            if not entry.paused and entry.level > 0 and now - entry.last_served >= limit - _EPS:
+                self._enter(entry, 0)
+                entry.last_served = now
+
+    def on_scheduled(self, request: Request, num_tokens: int, now: float) -> None:
+        entry = self.entries.get(request.request_id)
+        if entry is None:
+            return
+        self._served_this_step += 1
+        entry.last_served = now
+        # Rebuilding a discarded or evicted context is not service: charging it would demote a
+        # request halfway through its recompute and make it the next eviction victim.
+        start = request.num_computed_tokens
+        fresh = num_tokens - max(0, min(request.max_computed_tokens, start + num_tokens) - start)
+        if fresh <= 0:
+            return
+        cost = self.context.cost
+        entry.attained_s += cost.t_fwd(fresh)
+        if entry.attained_s + _EPS < self.quanta[entry.level] or entry.level == len(self.quanta) - 1:
+            return
+        # Called before the step's tokens count as computed: what is left after it is either
+        # the rest of a chunked prefill or one decode token.
+        rest = request.num_tokens - request.num_computed_tokens - num_tokens
+        next_s = cost.t_fwd(rest if rest > 0 else 1)
+        self._enter(entry, self.level_for(next_s, entry.level + 1))
+
+    def on_intercepted(self, request: Request, now: float) -> None:
+        entry = self.entries.get(request.request_id)
+        if entry is not None:
+            entry.paused = True
+
+    def on_resumed(self, request: Request, now: float) -> None:
+        entry = self.entries.get(request.request_id)
+        if entry is not None:
+            # The tool time is not starvation: the wait for service starts now.
+            entry.paused = False
+            entry.last_served = now
+
+    def on_finished(self, request: Request, now: float) -> None:
+        self.entries.pop(request.request_id, None)
+
+    # ---- proactive KV management (§4.2) --------------------------------------------------
+    def enst(self, requests: list[Request], now: float) -> dict[str, float]:
+        """Estimated next scheduled time, seconds from now: min(T_promote, T_execute), where
+        T_execute assumes every request in a higher queue runs down to this one's queue before
+        this one runs, B at a time."""
+        n = len(self.quanta)
+        # prefix[k] = q_0 + ... + q_{k-1}
+        prefix = [0.0]
+        for q in self.quanta:
+            prefix.append(prefix[-1] + q)
+        count = [0] * n
+        start = [0.0] * n  # sum over queue k of (prefix[k] + attained): where its members stand
+        for entry in self.entries.values():
+            if not entry.paused:
+                count[entry.level] += 1
+                start[entry.level] += prefix[entry.level] + entry.attained_s
+        out = {}
+        ahead_count, ahead_start = 0, 0.0
+        by_level = [(0, 0.0)] * n
+        for k in range(n):
+            by_level[k] = (ahead_count, ahead_start)
+            ahead_count += count[k]
+            ahead_start += start[k]
+        for req in requests:
+            entry = self.entries.get(req.request_id)
+            if entry is None:
+                out[req.request_id] = math.inf
+                continue
+            m, s = by_level[entry.level]
+            t_execute = (m * prefix[entry.level] - s) / self._batch_size
+            t_promote = max(0.0, self.options.starvation_limit_s - (now - entry.last_served))
+            out[req.request_id] = min(t_promote, max(0.0, t_execute))
+        return out
+
+    def preemption_order(self, requests: list[Request], now: float) -> list[Request]:
+        """Largest ENST first; among equal estimates, the one further back in the queues."""
+        enst = self.enst(requests, now)
+        return sorted(requests, key=lambda r: (enst[r.request_id], self.key(r, now)), reverse=True)
+
+    def reserved_blocks(self, now: float) -> int:
+        """Blocks for the prompts that arrived in the last reserve window: bursts raise it."""
+        window = self.options.reserve_window_s
+        while self._arrivals and self._arrivals[0][0] < now - window:
+            self._arrivals.popleft()
+        if window <= 0:
+            return 0
+        tokens = sum(t for _, t in self._arrivals)
+        tokens = min(tokens, int(self.options.max_reserve_fraction * self.context.kv_capacity_tokens))
+        return -(-tokens // self.context.block_size)
