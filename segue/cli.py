@@ -131,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "API keys, server-side tools; see segue/server/README.md")
     serve.add_argument("--api-key", action="append", default=None,
                        help="accepted API key (repeatable; also SEGUE_API_KEYS, comma separated)")
+    serve.add_argument("--engines", type=int, default=1, help="engine replicas; more than one run as Ray "
+                       "actors on a local Ray instance (see segue/cluster)")
+    serve.add_argument("--router", default="affinity", choices=["affinity", "round_robin"],
+                       help="how requests are placed on replicas when --engines > 1")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -10,10 +10,12 @@ import asyncio
 import sys
 from typing import Any, Iterator
 
+import httpx
 import pytest
 import ray.cloudpickle
 
 from conftest import make_tiny_checkpoint
+from test_server_support import ServerThread
 from segue.async_engine import AsyncLLMEngine, EngineDeadError
 from segue.cluster import build_local_pool, build_ray_pool
 from segue.cluster.pool import EnginePool
@@ -24,6 +26,8 @@ from segue.config import EngineConfig, ModelLoadConfig
 from segue.engine import LLMEngine
 from segue.outputs import RequestOutput
 from segue.sampling_params import InvalidRequestError, SamplingParams
+from segue.server.app import create_app
+from segue.server.metrics import engine_snapshot
 from segue.tools.spec import ToolCall
 
 # Ray actors unpickle this module's parser class by value: tests are not importable there.
@@ -205,9 +209,23 @@ def test_detached_request_continues_on_its_replica(pool: EnginePool) -> None:
     assert_idle(pool)
 
 
-def test_snapshot_sums_replicas_and_shutdown_is_clean(pool: EnginePool) -> None:
-    from segue.server.metrics import engine_snapshot
+def test_server_over_the_pool(pool: EnginePool) -> None:
+    app = create_app(pool)  # type: ignore[arg-type]  (the pool presents the engine interface)
+    with ServerThread(app) as server:
+        assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+        body = {"model": pool.engine.model_name, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Hello from the router test."}]}
+        reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+        assert reply["usage"]["completion_tokens"] == 5
+        metrics = httpx.get(server.url + "/metrics").text
+        total = [line for line in metrics.splitlines()
+                 if line.startswith('segue_kv_blocks{kind="total",pool="device"}')]
+        blocks = [asyncio.run(r.run_sync(engine_snapshot))["device_blocks"][1] for r in pool.replicas]
+        assert total and float(total[0].split()[-1]) == sum(blocks) > 0  # summed over the replicas
+    assert_idle(pool)
 
+
+def test_snapshot_sums_replicas_and_shutdown_is_clean(pool: EnginePool) -> None:
     snap = asyncio.run(pool.run_sync(engine_snapshot))
     per = [asyncio.run(r.run_sync(engine_snapshot)) for r in pool.replicas]
     assert snap["steps"] == sum(p["steps"] for p in per) > 0

@@ -6,6 +6,7 @@ the tests can check that the next step's prompt really holds the previous step's
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Iterator
 
 import httpx
@@ -13,6 +14,8 @@ import pytest
 
 from segue.program import Criteria, CycleError, ProgramGraph, Template, TemplateError, Transform, TransformKind
 from segue.program.client import Client, ProgramStepError, json_field, semantic_function
+from segue.program.registry import ProgramLimits, ProgramRegistry
+from segue.program.state import LimitError, NotFoundError
 from segue.program.transforms import TransformError
 from segue.server.app import create_app
 from test_server_support import ScriptedModel, ServerThread, engine_fixture, wait_idle
@@ -78,6 +81,21 @@ def test_cycles_are_rejected() -> None:
         g.check_call(["q"], "q")
     with pytest.raises(ValueError):
         g.check_call(["x"], "z")  # z already has a producer
+
+
+def test_registry_limits_ownership_and_expiry() -> None:
+    reg = ProgramRegistry(ProgramLimits(max_programs=3, max_programs_per_owner=2, idle_ttl_s=10))
+    a1 = reg.create("a")
+    reg.create("a")
+    with pytest.raises(LimitError):
+        reg.create("a")
+    reg.create("b")
+    with pytest.raises(LimitError):
+        reg.create("c")
+    with pytest.raises(NotFoundError):
+        reg.program("b", a1.id)
+    assert reg.program("a", a1.id) is a1
+    assert reg.expire(now=time.monotonic() + 11) == 3 and not reg.programs
 
 
 # ---- pure: templates and transforms ------------------------------------------------------------
@@ -266,8 +284,9 @@ def test_delete_cancels_running_calls(http: httpx.Client, scripted: tuple[Any, S
     engine = scripted[0]
     pid = _program(http)
     out = _call(http, pid, "go on forever {{input:x}}{{output:o}}", {"x": _var(http, pid, "x")},
-                max_tokens=5000, ignore_eos=True)
-    assert _ok(http.get(f"/v1/programs/variables/{out['output']['id']}", params={"timeout": 0.3}))["status"] == "pending"
+                max_tokens=1500, ignore_eos=True)
+    pending = _ok(http.get(f"/v1/programs/variables/{out['output']['id']}", params={"timeout": 0.3}))
+    assert pending["status"] == "pending"
     _ok(http.delete(f"/v1/programs/{pid}"))
     wait_idle(engine)
 
@@ -313,6 +332,15 @@ def test_client_library(server: ServerThread, scripted: tuple[Any, ScriptedModel
             assert test.get(criteria="latency", timeout=30) == "assert True"
             assert code.get() == "print(1)"
             assert "Test print(1) for a snake game:" in _prompt_of(model, "LIB_TEST")
+        # A template built at run time takes its inputs as keyword arguments; plain values go inline.
+        combine = semantic_function("LIB_JOIN {{input:a}} + {{input:b}}: {{output:ab}}", max_tokens=4)(
+            lambda **inputs: None)
+        model.script("LIB_JOIN", "joined")
+        with client.program() as p:
+            assert combine(a=p.variable("one"), b="two").get(timeout=30) == "joined"
+            assert "LIB_JOIN one + two:" in _prompt_of(model, "LIB_JOIN")
+            timing = p.info()["calls"][0]["timing"]
+            assert 0 <= timing["ready"] <= timing["launched"] <= timing["done"]
         with client.program() as p:
             broken = write_test("x", write_code(p.variable(None)))  # its task input is never set
             with pytest.raises(TimeoutError):

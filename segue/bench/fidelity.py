@@ -175,9 +175,14 @@ def render(report: dict[str, Any], tolerance: float) -> str:
                      f"{_pct(_error(run['sim_busy_s'], run['real_busy_s']))} | {run['refit_busy_s']:.1f} | "
                      f"{_pct(_error(run['refit_busy_s'], run['real_busy_s']))} |")
         lines.append(f"| steps | {real['steps']} | {sim['steps']} | | {refit['steps']} | |")
+        lines.append(f"| requests finished | {real['finished']} | {sim['finished']} | | {refit['finished']} | |")
         worst = max(abs(run["sim_error"][k] or 0) for k in ("output_throughput", "normalized_latency_mean"))
         lines += ["", f"Agreement within {tolerance:.0%} on throughput and mean normalized latency: "
-                      f"{'yes' if worst <= tolerance else 'no'} (worst {worst:.1%}).", "",
+                      f"{'yes' if worst <= tolerance else 'no'} (worst {worst:.1%})."]
+        if real["finished"] < sim["finished"]:
+            lines.append("**The real run stopped at its deadline with requests unfinished: the two runs did not "
+                         "do the same work, so these errors are not a fidelity measurement.**")
+        lines += ["",
                   "Real steps against the cost model's prediction:", "",
                   "| steps | count | mean tokens | mean context | forward (ms) | whole step (ms) | predicted (ms) |",
                   "|---|---:|---:|---:|---:|---:|---:|"]

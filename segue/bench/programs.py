@@ -21,6 +21,7 @@ import glob
 import json
 import re
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -45,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-tokens", default="8,32", help="generated tokens per call, comma separated "
                    "values to sweep (default: 8,32; EOS ignored so lengths are exact)")
     g.add_argument("--delay-ms", type=float, default=250.0, help="emulated network delay per round trip")
-    g.add_argument("--repeats", type=int, default=2, help="runs of each configuration (default: 2)")
+    g.add_argument("--repeats", type=int, default=3,
+                   help="runs of each configuration; medians are reported (default: 3)")
     g.add_argument("--shared-calls", type=int, default=12, help="calls in the shared-prefix run (default: 12)")
     g.add_argument("--shared-prefix-tokens", type=int, default=768, help="shared document tokens (default: 768)")
     g.add_argument("--skip", default="", help="comma separated parts to skip: chain, map-reduce, shared-prefix")
@@ -237,8 +239,9 @@ def run(args: argparse.Namespace) -> int:
                 for kind, fn in (("baseline", baseline_fn), ("program", program_fn)):
                     with LiveServer(factory()) as s:
                         times[kind].append(fn(s.url, chunks, n, delay))
+            # Medians: the machine is shared and single runs swing by tens of percent.
             row = {"workload": name, "output_tokens": n, **{f"{k}_s": v for k, v in times.items()},
-                   "speedup": sum(times["baseline"]) / sum(times["program"])}
+                   "speedup": statistics.median(times["baseline"]) / statistics.median(times["program"])}
             results["runs"].append(row)
             print(json.dumps(row), file=sys.stderr)
     if "shared-prefix" not in skip:
@@ -252,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
                 with LiveServer(factory(caching), share_prefix=gate) as s:
                     secs.append(shared_prefix_run(s.url, doc, args.shared_calls, n))
             row = {"workload": "shared-prefix", "config": label, "calls": args.shared_calls, "output_tokens": n,
-                   "seconds": secs, "calls_per_s": args.shared_calls * len(secs) / sum(secs)}
+                   "seconds": secs, "calls_per_s": args.shared_calls / statistics.median(secs)}
             results["runs"].append(row)
             print(json.dumps(row), file=sys.stderr)
     print(render(results))
@@ -265,16 +268,16 @@ def run(args: argparse.Namespace) -> int:
 def render(results: dict[str, Any]) -> str:
     lines = [f"segue bench programs — {results['model']}, {results['chunks']} chunks x {results['chunk_tokens']} "
              f"tokens of {results['document']}, {results['delay_ms']:g} ms per round trip", "",
-             "| workload | output tokens | baseline s (runs) | program s (runs) | speedup |", "|---|---:|---|---|---:|"]
+             "| workload | output tokens | baseline s (runs) | program s (runs) | speedup (medians) |", "|---|---:|---|---|---:|"]
     fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
     for r in results["runs"]:
         if r["workload"] != "shared-prefix":
-            lines.append(f"| {r['workload']} | {r['output_tokens']} | {fmt(r['baseline_s'])} | {fmt(r['program_s'])} "
-                         f"| **{r['speedup']:.2f}x** |")
+            lines.append(f"| {r['workload']} | {r['output_tokens']} | {fmt(r['baseline_s'])} "
+                         f"| {fmt(r['program_s'])} | **{r['speedup']:.2f}x** |")
     shared = [r for r in results["runs"] if r["workload"] == "shared-prefix"]
     if shared:
         off = next((r["calls_per_s"] for r in shared if r["config"] == "caching off"), None)
-        lines += ["", "| shared prefix | seconds (runs) | calls/s | vs caching off |", "|---|---|---:|---:|"]
+        lines += ["", "| shared prefix | seconds (runs) | calls/s (median) | vs caching off |", "|---|---|---:|---:|"]
         for r in shared:
             ratio = f"{r['calls_per_s'] / off:.2f}x" if off else "-"
             lines.append(f"| {r['config']} | {fmt(r['seconds'])} | {r['calls_per_s']:.2f} | {ratio} |")

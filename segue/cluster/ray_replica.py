@@ -1,9 +1,10 @@
 """A replica in a Ray actor: EngineActor owns an AsyncLLMEngine; RayReplica is the pool's handle.
 
 Streams are Ray streaming generators (num_returns="streaming") of (RequestOutput, LoadReport)
-pairs. Leaving a stream early cancels the actor's generator, whose own cleanup aborts the request;
-a detached request is detached on the actor before the cancel lands (the detach call is awaited
-first), so its KV stays for the next turn. Errors come back as the engine raised them
+pairs. Leaving a stream early aborts the request and cancels the actor's generator. Detaching a
+request ends its stream on the actor itself, and the detach call returns only once that stream is
+closed: the next turn's continue_request can never find the old stream still open, and no cancel
+can race the detach into an abort. Errors come back as the engine raised them
 (InvalidRequestError stays a 400); a dead actor becomes EngineDeadError and marks the replica down.
 
 Function arguments of run_sync travel by cloudpickle: functions from importable modules (the
@@ -11,6 +12,7 @@ server's, segue's) work; closures over test-module globals would not import on t
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -38,34 +40,70 @@ def _set_tool_parser(request_id: str, parser: Any, llm: "LLMEngine") -> None:
         state.tool_parser = parser
 
 
+async def _until_set(source: AsyncIterator[Any], stop: asyncio.Event) -> AsyncIterator[Any]:
+    """source's items until `stop` is set; then the pending read is cancelled (which closes source)."""
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        while True:
+            item = asyncio.ensure_future(anext(source))
+            await asyncio.wait({item, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set():
+                item.cancel()
+                await asyncio.wait({item})  # let the engine stream's own cleanup run
+                return
+            try:
+                yield item.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        stopper.cancel()
+
+
 class EngineActor:
     """Runs inside the actor process (an async actor: every method runs on its event loop)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.engine = AsyncLLMEngine.from_config(config)
+        # Open streams by request id: (stop, ended) events, so detach can end one and wait for it.
+        self._streams: dict[str, tuple[asyncio.Event, asyncio.Event]] = {}
+
+    async def _serve(self, request_id: str, source: AsyncIterator[Any]) -> AsyncIterator[ReplicaOutput]:
+        entry = (asyncio.Event(), asyncio.Event())
+        self._streams[request_id] = entry
+        try:
+            async with contextlib.aclosing(source) as outs, \
+                    contextlib.aclosing(_until_set(outs, entry[0])) as items:
+                async for out in items:
+                    yield out, load_report(self.engine.engine)
+        finally:
+            entry[1].set()
+            if self._streams.get(request_id) is entry:
+                del self._streams[request_id]
 
     async def describe(self) -> ModelInfo:
         return model_info(self.engine.engine)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        hints: dict[str, Any]) -> AsyncIterator[ReplicaOutput]:
-        async with contextlib.aclosing(self.engine.generate(prompt_token_ids, params, request_id, **hints)) as outs:
-            async for out in outs:
-                yield out, load_report(self.engine.engine)
+        async for item in self._serve(request_id, self.engine.generate(prompt_token_ids, params, request_id, **hints)):
+            yield item
 
     async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
                                tool_parser: Any) -> AsyncIterator[ReplicaOutput]:
         if tool_parser is not None:
             await self.engine.run_sync(functools.partial(_set_tool_parser, request_id, tool_parser))
-        async with contextlib.aclosing(self.engine.continue_request(request_id, tokens, params)) as outs:
-            async for out in outs:
-                yield out, load_report(self.engine.engine)
+        async for item in self._serve(request_id, self.engine.continue_request(request_id, tokens, params)):
+            yield item
 
     async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None) -> None:
         await self.engine.resume(request_id, tokens, params)
 
     async def detach(self, request_id: str) -> None:
         self.engine.detach(request_id)
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            entry[0].set()
+            await entry[1].wait()
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

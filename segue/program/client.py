@@ -169,7 +169,8 @@ class SemanticVariable:
 
 def semantic_function(template: str | None = None, *, max_tokens: int | None = None, temperature: float = 0.0,
                       stop: list[str] | None = None, transforms: list[dict[str, Any]] | None = None,
-                      criteria: str | None = None, **sampling: Any) -> Callable[[Callable[..., Any]], Callable[..., SemanticVariable]]:
+                      criteria: str | None = None,
+                      **sampling: Any) -> Callable[[Callable[..., Any]], Callable[..., SemanticVariable]]:
     """Turn a function whose docstring (or `template`) is a prompt template into a semantic
     function: its parameters are the template's inputs; calling it returns the output variable."""
 

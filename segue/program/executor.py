@@ -123,7 +123,9 @@ class ProgramExecutor:
                 program.graph.check_call([v.id for v in inputs.values()], output.id)
             except CycleError as e:
                 raise ProgramError(str(e)) from None
-        else:
+        # Checked before anything is added, so a refused call leaves no stray variables behind.
+        self.registry.check_variable_room(program, len(spec.literals) + (spec.output_id is None))
+        if spec.output_id is None:
             output = SemanticVariable(owner, program.id, spec.template.output_name)
             self.registry.add_variable(program, output)
         for name in names:

@@ -96,6 +96,12 @@ class ProgramGraph:
         """Each call's deduced objective (calls nothing asks about get CallObjective())."""
         criteria: dict[str, Criteria] = {}
         groups: dict[str, str] = {}
+        memo: dict[str, set[str]] = {}
+
+        def ancestors(call: str) -> set[str]:
+            if call not in memo:
+                memo[call] = self.ancestors(call)
+            return memo[call]
 
         def mark(call: str, c: Criteria) -> None:
             if criteria.get(call) is not Criteria.LATENCY:
@@ -104,7 +110,7 @@ class ProgramGraph:
         for var, c in self.criteria.items():
             producer = self.producer.get(var)
             if c is Criteria.THROUGHPUT and producer is not None:
-                for call in {producer} | self.ancestors(producer):
+                for call in {producer} | ancestors(producer):
                     mark(call, Criteria.THROUGHPUT)
         frontier = [self.producer[v] for v, c in self.criteria.items()
                     if c is Criteria.LATENCY and v in self.producer]
@@ -119,7 +125,8 @@ class ProgramGraph:
             producers = self.producers_of(call)
             # A producer that another producer depends on is not parallel to it: it is reached
             # again when the walk continues from the one that depends on it.
-            parallel = [p for p in producers if not any(p in self.ancestors(q) for q in producers if q != p)]
+            upstream = set().union(*(ancestors(q) for q in producers)) if len(producers) > 1 else set()
+            parallel = [p for p in producers if p not in upstream]
             if len(parallel) >= 2:
                 for p in parallel:
                     groups.setdefault(p, call)

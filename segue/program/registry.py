@@ -1,8 +1,9 @@
 """Programs and variables by id, each reachable only by the tenant (API key) that created it.
 
-Another tenant's id answers exactly like an unknown one, so ids leak nothing across keys. Idle
-programs with nothing running expire, because a client that never deletes its programs must not
-grow the server without bound.
+Another tenant's id answers exactly like an unknown one, so ids leak nothing across keys. Programs
+that no client has touched for a while and that have nothing in the engine expire (calls still
+waiting for an input nobody sets do not keep them alive), because a client that never deletes
+its programs must not grow the server without bound.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from segue.program.variables import SemanticVariable
 @dataclass
 class ProgramLimits:
     max_programs: int = 1024
+    # One tenant cannot take every slot from the others.
+    max_programs_per_owner: int = 256
     max_variables_per_program: int = 4096
     max_calls_per_program: int = 2048
     # Programs with no call waiting or running are dropped after this many idle seconds.
@@ -36,6 +39,10 @@ class ProgramRegistry:
         if len(self.programs) >= self.limits.max_programs:
             raise LimitError(f"the server holds {len(self.programs)} programs, its limit; delete finished "
                              "programs (DELETE /v1/programs/{id})")
+        owned = sum(1 for p in self.programs.values() if p.owner == owner)
+        if owned >= self.limits.max_programs_per_owner:
+            raise LimitError(f"this API key holds {owned} programs, its limit; delete finished programs "
+                             "(DELETE /v1/programs/{id})")
         program = Program(owner, dict(hints or {}))
         self.programs[program.id] = program
         return program
@@ -54,9 +61,13 @@ class ProgramRegistry:
         program.touch()
         return program, program.variables[var_id]
 
+    def check_variable_room(self, program: Program, count: int = 1) -> None:
+        if len(program.variables) + count > self.limits.max_variables_per_program:
+            raise LimitError(f"program {program.id!r} has {len(program.variables)} variables; the limit is "
+                             f"{self.limits.max_variables_per_program}")
+
     def add_variable(self, program: Program, var: SemanticVariable) -> None:
-        if len(program.variables) >= self.limits.max_variables_per_program:
-            raise LimitError(f"program {program.id!r} has {len(program.variables)} variables, the limit")
+        self.check_variable_room(program)
         program.variables[var.id] = var
         program.graph.add_variable(var.id)
         self._var_index[var.id] = program.id
@@ -73,7 +84,7 @@ class ProgramRegistry:
     def expire(self, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now
         idle = [p for p in self.programs.values()
-                if not p.is_active and now - p.last_used > self.limits.idle_ttl_s]
+                if not p.is_running and now - p.last_used > self.limits.idle_ttl_s]
         for program in idle:
             self._drop(program)
         return len(idle)

@@ -103,5 +103,6 @@ class Program:
         return var
 
     @property
-    def is_active(self) -> bool:
-        return any(c.state in (CallState.WAITING, CallState.RUNNING) for c in self.calls.values())
+    def is_running(self) -> bool:
+        """Some call is in the engine (a waiting call may wait forever for an input nobody sets)."""
+        return any(c.state is CallState.RUNNING for c in self.calls.values())

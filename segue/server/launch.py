@@ -16,7 +16,7 @@ GRACEFUL_SHUTDOWN_S = 10
 def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
     import uvicorn
 
-    from segue.async_engine import AsyncLLMEngine
+    from segue.cluster import build_engine
     from segue.server.app import create_app
     from segue.server.auth import resolve_api_keys
     from segue.server.config import ServerConfigError, load_server_config
@@ -30,10 +30,15 @@ def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
         return 2
     server_config.api_keys = resolve_api_keys(getattr(args, "api_key", None), server_config.api_keys)
     # Load before binding the port, so a bad --model fails fast and nothing half-starts.
-    engine = AsyncLLMEngine.from_config(config)
+    engines = getattr(args, "engines", None) or 1
+    if engines < 1:
+        logger.error("--engines must be at least 1, got %d", engines)
+        return 2
+    # --engines N > 1: N engine replicas as Ray actors behind an affinity router (segue/cluster).
+    engine = build_engine(config, engines, router=getattr(args, "router", None) or "affinity")
     app = create_app(engine, shutdown_engine=True, config=server_config, tools=tools)
-    logger.info("serving %r (context %d tokens) on http://%s:%d/v1%s; server-side tools: %s",
-                engine.engine.model_name, engine.engine.max_model_len, host, port,
+    logger.info("serving %r (context %d tokens, %d engine%s) on http://%s:%d/v1%s; server-side tools: %s",
+                engine.engine.model_name, engine.engine.max_model_len, engines, "s" if engines > 1 else "", host, port,
                 " with API keys" if server_config.api_keys else "", ", ".join(tools.names()) or "none")
     if not server_config.api_keys and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s without API keys: anyone who can reach it can use it", host)

@@ -60,7 +60,8 @@ class _SamplingRequest(_Request):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = None
+    # Checked in check_supported (an OpenAI-style message); the bounds are declared for the schema.
+    n: int | None = Field(default=None, json_schema_extra={"minimum": 1, "maximum": MAX_N})
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool | None = None
