@@ -105,15 +105,29 @@ async def run_one(pool: EnginePool, prompt: str | list[int], rid: str, max_token
     return owner, last
 
 
+IDLE = {"requests": 0, "held_blocks": 0, "paused": 0}
+
+
+async def census_of(pool: EnginePool) -> list[dict[str, int]]:
+    return [await r.run_sync(engine_census) for r in pool.replicas]
+
+
 def census(pool: EnginePool) -> list[dict[str, int]]:
-    async def read() -> list[dict[str, int]]:
-        return [await r.run_sync(engine_census) for r in pool.replicas]
-    return asyncio.run(read())
+    return asyncio.run(census_of(pool))
 
 
-def assert_idle(pool: EnginePool) -> None:
-    assert census(pool) == [{"requests": 0, "held_blocks": 0, "paused": 0}] * 2
-    asyncio.run(pool.run_sync(LLMEngine.check_invariants))
+def assert_idle(pool: EnginePool, timeout: float = 20.0) -> None:
+    """Every request gone and every KV block back, engine invariants intact. Aborts travel to the
+    replicas' loop threads, so this waits for them (bounded: the cores are shared)."""
+    async def wait() -> list[dict[str, int]]:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while (seen := await census_of(pool)) != [IDLE] * len(pool.replicas):
+            if asyncio.get_running_loop().time() > deadline:
+                return seen
+            await asyncio.sleep(0.05)
+        await pool.run_sync(LLMEngine.check_invariants)
+        return seen
+    assert asyncio.run(wait()) == [IDLE] * len(pool.replicas)
     assert pool.num_unfinished_requests == 0
 
 
@@ -170,8 +184,8 @@ def test_abort_frees_kv_on_the_replica(pool: EnginePool) -> None:
         gen = pool.generate("Another long one.", SamplingParams(max_tokens=400, **GREEDY), "ab-2")
         await gen.__anext__()
         await gen.aclose()
+        await asyncio.sleep(0.2)  # the replica delivers the aborted output to this loop: keep it open
     asyncio.run(leave_early())
-    asyncio.run(asyncio.sleep(0.3))  # the abort travels to the replica's loop thread
     assert_idle(pool)
 
 

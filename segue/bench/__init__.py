@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 BUILTIN_MODULES: tuple[str, ...] = ("segue.bench.throughput", "segue.bench.step_profile", "segue.bench.intercept",
-                                    "segue.bench.compare", "segue.bench.fidelity", "segue.bench.programs")
+                                    "segue.bench.compare", "segue.bench.fidelity", "segue.bench.programs",
+                                    "segue.bench.cluster")
 
 
 @dataclass(frozen=True)
