@@ -18,6 +18,7 @@ from conftest import make_tiny_checkpoint
 from test_server_support import ServerThread
 from segue.async_engine import AsyncLLMEngine, EngineDeadError
 from segue.cluster import build_local_pool, build_ray_pool
+from segue.cluster.local_replica import LocalReplica
 from segue.cluster.pool import EnginePool
 from segue.cluster.ray_runtime import start_local_ray
 from segue.cluster.replica import engine_census
@@ -239,12 +240,25 @@ def test_server_over_the_pool(pool: EnginePool) -> None:
     assert_idle(pool)
 
 
-def test_snapshot_sums_replicas_and_shutdown_is_clean(pool: EnginePool) -> None:
+def test_snapshot_dead_replica_and_shutdown(pool: EnginePool) -> None:
     snap = asyncio.run(pool.run_sync(engine_snapshot))
     per = [asyncio.run(r.run_sync(engine_snapshot)) for r in pool.replicas]
     assert snap["steps"] == sum(p["steps"] for p in per) > 0
     assert snap["device_blocks"][1] == sum(p["device_blocks"][1] for p in per)
     assert pool.is_running
+
+    # A replica dies: /health reports it, and new requests go to the survivor.
+    dead = pool.replicas[pool.router.least_loaded([0, 1])]  # where the next request would go
+    if isinstance(dead, LocalReplica):
+        asyncio.run(dead.engine.shutdown())
+    else:
+        ray.kill(dead.actor)
+        # A dead actor is noticed by the first call that reaches it: this one.
+        with pytest.raises(EngineDeadError):
+            asyncio.run(run_one(pool, "first after the death", "dead-0"))
+    assert not dead.is_running and not pool.is_running
+    owners = [asyncio.run(run_one(pool, f"survivor {i}", f"dead-{i + 1}"))[0] for i in range(3)]
+    assert owners == [1 - dead.index] * 3
     asyncio.run(pool.shutdown())
     assert not pool.is_running
     with pytest.raises(EngineDeadError):

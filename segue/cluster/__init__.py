@@ -4,6 +4,18 @@
 N = 1 (nothing to place), else a local Ray instance with N engine actors behind an EnginePool.
 `build_local_pool` puts N engines in this process instead (tests and benchmarks without Ray; the
 engines' step threads then share one Python process).
+
+What the server reads of "the engine" and how a pool answers (see pool.py): the model side
+(tokenizer, chat template, limits) from a ModelFront; generate/continue/resume/detach/abort by
+request id; run_sync(fn) on every replica, merged (merge.py), which covers the server's uses:
+held-token and paused-request lookups by id (one replica answers) and /metrics snapshots (summed).
+Limits, by design or not yet done:
+- a dead replica is routed around but not restarted; its held sessions are lost (their next turn
+  starts fresh elsewhere); /health turns 503 while any replica is down;
+- the router sees only what it placed and what replicas report with their outputs; an idle
+  replica's last report may be one step old;
+- program (session) bindings are released only by LRU (65536 kept), not when a session closes;
+- `task_group` is a pool hint for in-process callers (programs); the HTTP API does not carry it.
 """
 from __future__ import annotations
 

@@ -90,6 +90,12 @@ class EngineActor:
 
     async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
                                tool_parser: Any) -> AsyncIterator[ReplicaOutput]:
+        previous = self._streams.get(request_id)
+        if previous is not None and previous[0].is_set():
+            # A detach of the last turn's stream is still closing it; continuing now would find
+            # that stream open. (RayReplica also awaits the detach first: async actors do not
+            # promise to run one caller's calls in order.)
+            await previous[1].wait()
         if tool_parser is not None:
             await self.engine.run_sync(functools.partial(_set_tool_parser, request_id, tool_parser))
         async for item in self._serve(request_id, self.engine.continue_request(request_id, tokens, params)):
@@ -139,6 +145,9 @@ class RayReplica(EngineReplica):
 
     async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
                                tool_parser: Any) -> AsyncIterator[ReplicaOutput]:
+        pending = self._detaching.pop(request_id, None)
+        if pending is not None:
+            await self._settle(pending)
         stream = self.actor.continue_request.options(num_returns="streaming").remote(
             request_id, tokens, params, tool_parser)
         async for item in self._relay(request_id, stream):
@@ -156,7 +165,8 @@ class RayReplica(EngineReplica):
         except (ray.exceptions.RayError, EngineDeadError) as e:
             raise self._translate(e) from None
         finally:
-            pending = self._detaching.pop(request_id, None)
+            # Kept for continue_request to await as well, unless the request finished.
+            pending = self._detaching.pop(request_id, None) if finished else self._detaching.get(request_id)
             if not finished:
                 if pending is not None:
                     await self._settle(pending)
