@@ -81,21 +81,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from segue.engine import LLMEngine
-    from segue.executor.profiler import profile
+    from segue.executor import profiler
     from segue.sched.cost_model import default_profile_path
 
     config = engine_config_from_args(args)
     config.scheduler.max_num_batched_tokens = max(config.scheduler.max_num_batched_tokens, 1024)
     engine = LLMEngine(config)
-    cost, points = profile(engine, repeats=args.repeats)
+    grid = {"cpu": profiler.CPU_GRID, "cuda": profiler.CUDA_GRID, "tiny": profiler.TINY_GRID}.get(args.grid)
+    cost, report = profiler.profile(engine, repeats=args.repeats, grid=grid, timer=args.timer)
     path = args.output or default_profile_path(cost.device)
-    cost.save(path)
-    print("| tokens | T_fwd (ms) |\n|---:|---:|")
-    for tokens, seconds in points:
-        print(f"| {tokens} | {seconds * 1000:.1f} |")
-    print(f"\nT_fwd(t) = {cost.fwd_ms_per_token:.4f} ms * t + {cost.fwd_base_ms:.1f} ms; "
-          f"saturation point {cost.saturation_tokens} tokens; swap {cost.swap_bytes_per_s / 1e9:.2f} GB/s; "
-          f"{cost.kv_bytes_per_token} KV bytes/token\nwrote {path}")
+    profiler.save_profile(path, cost, report)
+    fit = report.fit
+    print("| step | tokens | context | seqs | measured (ms) | fit (ms) | error |\n|---|---:|---:|---:|---:|---:|---:|")
+    for p in report.points:
+        pred, ms = fit.predict_ms(p.batched_tokens, p.context_tokens), p.step_ms if args.timer == "wall" else p.cpu_ms
+        print(f"| {p.kind} | {p.batched_tokens} | {p.context_tokens} | {p.num_seqs} | {ms:.1f} | {pred:.1f} "
+              f"| {(pred - ms) / ms:+.0%} |")
+    per_kind = "; ".join(f"{k} {r['mean_rel_error']:+.1%} (worst {r['max_abs_rel_error']:.0%})"
+                         for k, r in fit.residuals.items())
+    print(f"\nstep = {cost.fwd_ms_per_token:.4f} ms * tokens + {cost.fwd_base_ms:.1f} ms + "
+          f"{cost.fwd_ms_per_context_token:.5f} ms * context tokens (R^2 {fit.r2:.3f}; mean error by kind: {per_kind})"
+          f"\nsaturation point {cost.saturation_tokens} tokens; swap {cost.swap_bytes_per_s / 1e9:.2f} GB/s; "
+          f"{cost.kv_bytes_per_token} KV bytes/token; measured in {report.seconds:.0f} s ({args.timer} time; "
+          f"wall/CPU time {report.to_dict()['wall_over_cpu_median'] or 0:.2f}: >1 means other processes "
+          f"slowed the steps)\nwrote {path}")
+    d = report.per_seq_fit
+    print(f"with a per-sequence term the fit would be {d.ms_per_token:.4f} ms * tokens + {d.base_ms:.1f} ms + "
+          f"{d.ms_per_context_token:.5f} ms * context + {d.ms_per_seq:.2f} ms * seqs: mean |error| "
+          f"{d.mean_abs_rel_error:.1%} against {fit.mean_abs_rel_error:.1%} (the CostModel has no such term)")
+    for why in report.skipped:
+        print(f"skipped {why}")
     return 0
 
 
@@ -140,7 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     prof = sub.add_parser("profile", help="measure T_fwd, the saturation point and swap bandwidth")
     prof.add_argument("--output", default=None, help="profile JSON (default: ~/.cache/segue/profile-<device>.json)")
-    prof.add_argument("--repeats", type=int, default=3)
+    prof.add_argument("--repeats", type=int, default=None, help="repeats per prefill size (default: the grid's)")
+    prof.add_argument("--grid", default="auto", choices=["auto", "cpu", "cuda", "tiny"],
+                      help="which steps to time (auto: by device; see segue/executor/profiler.py)")
+    prof.add_argument("--timer", default="wall", choices=["wall", "cpu"],
+                      help="fit wall-clock step time (default) or process CPU time (one-thread CPU engine on a "
+                      "shared machine: the steps' own cost without others' load)")
     add_engine_args(prof)
     prof.set_defaults(func=cmd_profile)
 

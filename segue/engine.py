@@ -40,8 +40,9 @@ class RequestState:
     tool_calls: list | None = None
     # The client's hint of how long its tool calls take (extra_body expected_tool_seconds).
     expected_tool_s: float | None = None
-    # Paused at a stop (pause_on_stop): the turn is over, its output reads as finished with "stop".
-    turn_ended: bool = False
+    # Paused at the end of a turn (pause_on_stop, pause_on_length): the turn is over, its output
+    # reads as finished with this reason ("stop" or "length").
+    turn_end: str | None = None
 
 
 class LLMEngine:
@@ -199,7 +200,7 @@ class LLMEngine:
             req.sampling_params = SamplingParams(**{**params.__dict__,
                                                     "max_tokens": req.num_generated_tokens + params.max_tokens})
         state.tool_calls = None
-        state.turn_ended = False
+        state.turn_end = None
         req.stop_reason = None
         if req.interception.tool is not None:
             self.tool_stats.observe(req.interception.tool, self.clock() - req.interception.t_call)
@@ -293,8 +294,10 @@ class LLMEngine:
                 del self._states[req.request_id]
                 self.trace.remove(req.request_id)
             elif req.interception is not None:
-                # Only a stop pauses a request inside update_from_output (or just above).
-                state.turn_ended = True
+                # Only the end of a turn pauses a request inside update_from_output (or just above):
+                # a stop (token or string), or max_tokens.
+                status = self.scheduler.stop_status(req, token)
+                state.turn_end = "length" if status is RequestStatus.FINISHED_LENGTH else "stop"
             else:
                 seg = self.trace.pause_due(req.request_id, req.num_generated_tokens)
                 if seg is not None:
@@ -312,9 +315,9 @@ class LLMEngine:
     def _make_output(self, state: RequestState) -> RequestOutput:
         req = state.request
         finished = req.is_finished
-        done = finished or state.turn_ended
+        done = finished or state.turn_end is not None
         text = state.text_before + (state.detokenizer.flush() if done else state.detokenizer.text)
-        reason = req.status.finish_reason or ("stop" if state.turn_ended else None)
+        reason = req.status.finish_reason or state.turn_end
         completion = CompletionOutput(0, text, list(req.output_token_ids), reason,
                                       req.stop_reason, list(state.logprobs) if state.logprobs is not None else None,
                                       req.num_generated_tokens, state.tool_calls)

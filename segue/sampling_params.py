@@ -23,8 +23,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # End of a turn with more turns to come (a session's chat turn): on EOS, a stop token or a stop
     # string the request pauses (an interception whose end is the next turn) instead of finishing,
-    # keeping its context, the stop token included, for the next turn. max_tokens still finishes.
+    # keeping its context, the stop token included, for the next turn.
     pause_on_stop: bool = False
+    # The same for a turn cut off by max_tokens: the context ends with the last generated token (no
+    # end-of-turn token; the next turn's text closes the message). The context window still finishes
+    # the request: no next turn would fit.
+    pause_on_length: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +63,8 @@ class SamplingParams:
             bad("stop_token_ids must be non-negative integers")
         if not isinstance(self.pause_on_stop, bool):
             bad(f"pause_on_stop must be a boolean, got {self.pause_on_stop!r}")
+        if not isinstance(self.pause_on_length, bool):
+            bad(f"pause_on_length must be a boolean, got {self.pause_on_length!r}")
 
     @property
     def greedy(self) -> bool:

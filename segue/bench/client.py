@@ -10,8 +10,9 @@ results because a tool message needs a real tool call before it, which random pr
 
 On Segue the conversation also carries `program_id` (one per conversation, for program-level
 policies) and a session (`open_session`, then `session_id`), closed at the end; other servers ignore
-unknown fields. Segue finishes a turn that ends by length, so between calls the context lives in the
-prefix cache, not in a paused request: the interception policies are exercised in-process only.
+unknown fields. Segue holds a session turn that ends by length as a paused request (when the held
+tokens re-render exactly), so the server's interception policy decides what the pause costs, as it
+would for a tool call. The trace's pause length is not sent: the policy has to estimate it.
 """
 from __future__ import annotations
 

@@ -8,34 +8,24 @@ Workloads over one long public-domain text (by default the API documentation in 
 - shared prefix: many questions over the same document prefix, prefix caching on vs off.
 
 Program runs use segue.program.client over the /v1/programs API; the baseline makes each call
-itself through /v1/completions, feeding outputs to the next call on the client. Every HTTP round
-trip of both pays the emulated network delay (half before the request leaves, half before the
-response arrives). Every run gets a fresh engine (same weights and settings) and server, so no run
-reads KV that an earlier one cached.
+itself through /v1/completions (program_workloads.py). Every run gets a fresh engine (same weights
+and settings) and server, so no run reads KV that an earlier one cached.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import glob
 import json
-import re
 import socket
 import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from segue.bench import Benchmark
-
-DEFAULT_DOCUMENT = "/usr/include/lzma/*.h"
-CHAIN = ("Summary of the document so far:\n{{input:summary}}\n\nNext part of the document:\n{{input:chunk}}\n\n"
-         "Updated summary of the document so far:{{output:new_summary}}")
-MAP = "Summarize this part of a document.\n\n{{input:chunk}}\n\nSummary:{{output:summary}}"
-QUESTIONS = ["What is this about?", "List the main functions.", "Which errors can occur?", "Who wrote it?",
-             "What does it return?", "Is it thread safe?", "What are the limits?", "Give an example."]
+from segue.bench.program_workloads import (DEFAULT_DOCUMENT, chain_baseline, chain_program, load_document,
+                                           map_reduce_baseline, map_reduce_program, shared_prefix_run)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,32 +44,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-json", default=None, metavar="PATH")
 
 
-def load_document(pattern: str) -> str:
-    """The files' text with C comment markers and preprocessor lines removed."""
-    paths = sorted(glob.glob(pattern))
-    if not paths:
-        raise SystemExit(f"no document found at {pattern!r}; pass --document PATH (any long text file)")
-    lines = []
-    for path in paths:
-        for line in open(path, encoding="utf-8", errors="replace"):
-            line = re.sub(r"^\s*(/\*\*?|\*/|\*)", "", line).replace("*/", "").rstrip()
-            if not line.lstrip().startswith("#"):
-                lines.append(line)
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines))
+class ForwardTimer:
+    """Adds up the time the executor spends in forward passes. The machine is shared, so the same
+    work takes from 1x to 3x as long from run to run; what is left after the forward passes is what
+    the client-server design changes."""
 
+    def __init__(self, executor: Any) -> None:
+        self.seconds = 0.0
+        self._execute = executor.execute
+        executor.execute = self._timed
 
-def delayed_transport(delay_s: float) -> Any:
-    import httpx
+    def _timed(self, batch: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self._execute(batch)
+        finally:
+            self.seconds += time.perf_counter() - start
 
-    class DelayedTransport(httpx.HTTPTransport):
-        """Emulated WAN latency: every round trip takes delay_s longer (half each way)."""
-
-        def handle_request(self, request: httpx.Request) -> httpx.Response:
-            time.sleep(delay_s / 2)
-            response = super().handle_request(request)
-            time.sleep(delay_s / 2)
-            return response
-    return DelayedTransport()
+    def reset(self) -> None:
+        self.seconds = 0.0
 
 
 class LiveServer:
@@ -117,98 +100,13 @@ class LiveServer:
         asyncio.run(self.engine.shutdown())
 
 
-def chain_program(url: str, chunks: list[str], n: int, delay: float) -> float:
-    from segue.program.client import Client, semantic_function, strip
-
-    summarize = semantic_function(CHAIN, max_tokens=n, ignore_eos=True, transforms=[strip()])(
-        lambda summary, chunk: None)
-    with Client(url, transport=delayed_transport(delay)) as client:
-        start = time.monotonic()
-        with client.program():
-            summary: Any = "(nothing yet)"
-            for chunk in chunks:
-                summary = summarize(summary, chunk)
-            summary.get(criteria="latency")
-            return time.monotonic() - start
-
-
-def map_reduce_program(url: str, chunks: list[str], n: int, delay: float) -> float:
-    from segue.program.client import Client, semantic_function, strip
-
-    summarize = semantic_function(MAP, max_tokens=n, ignore_eos=True, transforms=[strip()])(lambda chunk: None)
-    combine = semantic_function(_reduce_template(len(chunks)), max_tokens=n, ignore_eos=True)(lambda **s: None)
-    with Client(url, transport=delayed_transport(delay)) as client:
-        start = time.monotonic()
-        with client.program():
-            parts = [summarize(c) for c in chunks]
-            combine(**{f"s{i}": p for i, p in enumerate(parts)}).get(criteria="latency")
-            return time.monotonic() - start
-
-
-def _reduce_template(k: int) -> str:
-    return ("Combine these summaries of parts of one document into one summary.\n\n"
-            + "\n".join(f"- {{{{input:s{i}}}}}" for i in range(k)) + "\n\nSummary:{{output:final}}")
-
-
-def _complete(http: Any, prompt: str, n: int) -> str:
-    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True})
-    r.raise_for_status()
-    return r.json()["choices"][0]["text"].strip()
-
-
-def chain_baseline(url: str, chunks: list[str], n: int, delay: float) -> float:
-    import httpx
-
-    from segue.program.template import Template
-
-    t = Template.parse(CHAIN)
-    with httpx.Client(base_url=url, transport=delayed_transport(delay), timeout=600) as http:
-        start = time.monotonic()
-        summary = "(nothing yet)"
-        for chunk in chunks:
-            summary = _complete(http, t.render_text({"summary": summary, "chunk": chunk}), n)
-        return time.monotonic() - start
-
-
-def map_reduce_baseline(url: str, chunks: list[str], n: int, delay: float) -> float:
-    import httpx
-
-    from segue.program.template import Template
-
-    t, r = Template.parse(MAP), Template.parse(_reduce_template(len(chunks)))
-    with httpx.Client(base_url=url, transport=delayed_transport(delay), timeout=600) as http, \
-            ThreadPoolExecutor(len(chunks)) as pool:
-        start = time.monotonic()
-        # Independent calls go out concurrently, as the paper's baseline does too.
-        parts = list(pool.map(lambda c: _complete(http, t.render_text({"chunk": c}), n), chunks))
-        _complete(http, r.render_text({f"s{i}": p for i, p in enumerate(parts)}), n)
-        return time.monotonic() - start
-
-
-def shared_prefix_run(url: str, doc: str, calls: int, n: int) -> float:
-    """Seconds from the document being set to the last answer (all calls are submitted first)."""
-    from segue.program.client import Client, semantic_function
-
-    with Client(url) as client, client.program() as p:
-        document = p.variable(None, "doc")
-        answers = [semantic_function(f"{{{{input:doc}}}}\n\nQuestion {i}: {QUESTIONS[i % len(QUESTIONS)]}\n"
-                                     "Answer:{{output:answer}}", max_tokens=n, ignore_eos=True)(
-            lambda doc: None)(document) for i in range(calls)]
-        for a in answers:
-            a.id  # every call is on the server before the clock starts
-        start = time.monotonic()
-        document.set(doc)
-        for a in answers:
-            a.get(criteria="throughput")
-        return time.monotonic() - start
-
-
 def run(args: argparse.Namespace) -> int:
     from segue.cli import engine_config_from_args
     from segue.engine import LLMEngine
 
     base = engine_config_from_args(args)
     executor, tokenizer, model_config, model_name, chat_template = LLMEngine._load(base)
+    forward = ForwardTimer(executor)
 
     def factory(prefix_caching: bool = True) -> Callable[[], Any]:
         config = copy.deepcopy(base)
@@ -235,13 +133,24 @@ def run(args: argparse.Namespace) -> int:
             continue
         for n in [int(x) for x in args.output_tokens.split(",")]:
             times: dict[str, list[float]] = {"program": [], "baseline": []}
+            forward_s: dict[str, list[float]] = {"program": [], "baseline": []}
             for _ in range(args.repeats):
                 for kind, fn in (("baseline", baseline_fn), ("program", program_fn)):
                     with LiveServer(factory()) as s:
+                        forward.reset()
                         times[kind].append(fn(s.url, chunks, n, delay))
-            # Medians: the machine is shared and single runs swing by tens of percent.
+                        forward_s[kind].append(forward.seconds)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            # Wall time minus the model's forward passes: network, queueing, HTTP, scheduling.
+            rest = {k: statistics.median(w - f for w, f in zip(times[k], forward_s[k])) for k in times}
+            both = statistics.median(forward_s["program"] + forward_s["baseline"])
             row = {"workload": name, "output_tokens": n, **{f"{k}_s": v for k, v in times.items()},
-                   "speedup": statistics.median(times["baseline"]) / statistics.median(times["program"])}
+                   **{f"{k}_forward_s": v for k, v in forward_s.items()},
+                   # Medians: the machine is shared and single runs swing by tens of percent.
+                   "speedup": med["baseline"] / med["program"],
+                   "baseline_rest_s": rest["baseline"], "program_rest_s": rest["program"],
+                   # Derived, not measured end to end: both sides with the same (median) forward time.
+                   "speedup_same_forward": (rest["baseline"] + both) / (rest["program"] + both)}
             results["runs"].append(row)
             print(json.dumps(row), file=sys.stderr)
     if "shared-prefix" not in skip:
@@ -268,12 +177,16 @@ def run(args: argparse.Namespace) -> int:
 def render(results: dict[str, Any]) -> str:
     lines = [f"segue bench programs — {results['model']}, {results['chunks']} chunks x {results['chunk_tokens']} "
              f"tokens of {results['document']}, {results['delay_ms']:g} ms per round trip", "",
-             "| workload | output tokens | baseline s (runs) | program s (runs) | speedup (medians) |", "|---|---:|---|---|---:|"]
+             "| workload | output tokens | baseline s (runs) | program s (runs) | speedup (medians) "
+             "| not forward s, baseline / program | speedup at equal forward time (derived) |",
+             "|---|---:|---|---|---:|---|---:|"]
     fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
     for r in results["runs"]:
         if r["workload"] != "shared-prefix":
             lines.append(f"| {r['workload']} | {r['output_tokens']} | {fmt(r['baseline_s'])} "
-                         f"| {fmt(r['program_s'])} | **{r['speedup']:.2f}x** |")
+                         f"| {fmt(r['program_s'])} | **{r['speedup']:.2f}x** "
+                         f"| {r['baseline_rest_s']:.2f} / {r['program_rest_s']:.2f} "
+                         f"| {r['speedup_same_forward']:.2f}x |")
     shared = [r for r in results["runs"] if r["workload"] == "shared-prefix"]
     if shared:
         off = next((r["calls_per_s"] for r in shared if r["config"] == "caching off"), None)

@@ -231,8 +231,9 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance progress, append sampled tokens, and finish requests that hit a stop
         condition the scheduler can see (EOS, stop token ids, max_tokens, context length); with
-        pause_on_stop, EOS and stop tokens pause the request instead (max_tokens still finishes).
-        Returns the requests that received a token this step."""
+        pause_on_stop, EOS and stop tokens pause the request instead, with pause_on_length so does
+        max_tokens (the context window still finishes). Returns the requests that received a token
+        this step."""
         got_token = []
         self.last_step_recompute_tokens = 0
         for seq in out.seqs:
@@ -250,24 +251,38 @@ class Scheduler:
             req.output_token_ids.append(token)
             got_token.append(req)
             status = self._check_stop(req, token)
-            if status is RequestStatus.FINISHED_STOPPED and req.sampling_params.pause_on_stop:
+            if status is not None and self._pauses_at(req, status):
                 # The turn ended but the conversation goes on: keep the context for the next turn.
                 self.intercept_request(req, self.now)
             elif status is not None:
                 self.finish_request(req, status)
         return got_token
 
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+    def stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        """The stop condition that `token`, the request's newest token, meets, if any (no side
+        effects, so the engine can ask why a request paused). A stop token wins over a length limit."""
         params = req.sampling_params
-        if not params.ignore_eos and token in req.eos_token_ids:
-            req.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            req.stop_reason = token
+        if (not params.ignore_eos and token in req.eos_token_ids) or token in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if req.num_generated_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        status = self.stop_status(req, token)
+        if status is RequestStatus.FINISHED_STOPPED:
+            # EOS reads as a plain stop; a stop token id is reported back (OpenAI's stop_reason).
+            eos = not req.sampling_params.ignore_eos and token in req.eos_token_ids
+            req.stop_reason = None if eos else token
+        return status
+
+    def _pauses_at(self, req: Request, status: RequestStatus) -> bool:
+        """Whether this end of a turn pauses the request (more turns to come) instead of finishing it."""
+        params = req.sampling_params
+        if status is RequestStatus.FINISHED_STOPPED:
+            return params.pause_on_stop
+        # Only max_tokens: at the context window no next turn would fit.
+        return params.pause_on_length and req.num_tokens < self.max_model_len
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.device.usage(),

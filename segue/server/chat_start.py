@@ -11,8 +11,11 @@ tokenizer's canonical encoding of its own text, and the client gets the calls ba
 not as the text the model wrote.
 
 A turn in a session (or one that opens a session) pauses at its stop instead of finishing
-(pause_on_stop), so the human's reply continues it like a tool result does. A request paused at
-its end-of-turn token already holds that token: the continuation starts after it.
+(pause_on_stop), and so at max_tokens (pause_on_length), so the human's reply continues it like a
+tool result does. A request paused at its end-of-turn token already holds that token: the
+continuation starts after it. One cut off by max_tokens holds none: the continuation starts with the
+text that closes the assistant message, exactly what a fresh render of the history has there
+(checked before the turn was held, tool_loop.py).
 """
 from __future__ import annotations
 
@@ -68,7 +71,7 @@ async def continue_held(ctx: ServingContext, request: Request, body: ChatComplet
         return None
     suffix = await ctx.tokenize(text[len(held.end_text):] + setup.forced_prefix)
     params = body.to_sampling_params(len(held.token_ids) + len(suffix), ctx.max_model_len)
-    params.pause_on_stop = True
+    params.pause_on_stop = params.pause_on_length = True
     if held.parser is not None:
         held.parser.arm(setup.forced_prefix)
     gen = ctx.engine.continue_request(held.request_id, suffix, params)
@@ -95,7 +98,7 @@ async def start_fresh(ctx: ServingContext, request: Request, body: ChatCompletio
     params = body.to_sampling_params(len(prompt_ids), ctx.max_model_len)
     params.seed = choice_seed(params.seed, choice)
     # Only a session can continue a paused turn; elsewhere nobody would ever resume it.
-    params.pause_on_stop = session is not None or bool(body.open_session)
+    params.pause_on_stop = params.pause_on_length = session is not None or bool(body.open_session)
     parser = SteeredParser(setup.forced_prefix) if setup.enabled else None
     rid = random_id("chatcmpl")
     hints = {**body.engine_hints(), **ctx.generate_hints(cache_salt(tenant))}

@@ -7,7 +7,7 @@ Clients send templates, values and declarative transforms only: no client code r
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterator
+from typing import AsyncIterator, TypeVar
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from pydantic import BaseModel
@@ -21,7 +21,9 @@ from segue.program.variables import Criteria
 from segue.server.auth import cache_salt, tenant_of
 from segue.server.context import serving
 from segue.server.errors import APIError
+from segue.server.openapi import json_body
 
+M = TypeVar("M", bound=BaseModel)
 # The longest a single GET waits for a variable; clients poll again for longer waits.
 MAX_GET_WAIT_S = 600.0
 
@@ -49,7 +51,7 @@ def programs(request: Request) -> ProgramExecutor:
     return executor
 
 
-async def _body(request: Request, model: type[BaseModel]) -> BaseModel:
+async def _body(request: Request, model: type[M]) -> M:
     raw = await request.body()
     return model.model_validate_json(raw or b"{}")
 
@@ -58,7 +60,7 @@ def _api_error(e: ProgramError) -> APIError:
     return APIError(e.status, str(e), code=e.code)
 
 
-@router.post("/v1/programs")
+@router.post("/v1/programs", openapi_extra=json_body(ProgramCreate))
 async def create_program(request: Request) -> JSONResponse:
     """A program is the session its calls and variables live in; deleting it cancels them all."""
     await _body(request, ProgramCreate)
@@ -88,10 +90,9 @@ async def delete_program(program_id: str, request: Request) -> JSONResponse:
     return JSONResponse({"id": program_id, "object": "program", "deleted": True})
 
 
-@router.post("/v1/programs/variables")
+@router.post("/v1/programs/variables", openapi_extra=json_body(VariableCreate))
 async def create_variable(request: Request) -> JSONResponse:
     body = await _body(request, VariableCreate)
-    assert isinstance(body, VariableCreate)
     try:
         var = programs(request).create_variable(tenant_of(request), body.program_id, body.name, body.value)
     except ProgramError as e:
@@ -99,10 +100,9 @@ async def create_variable(request: Request) -> JSONResponse:
     return JSONResponse(variable_json(var))
 
 
-@router.post("/v1/programs/variables/{var_id}")
+@router.post("/v1/programs/variables/{var_id}", openapi_extra=json_body(VariableSet))
 async def set_variable(var_id: str, request: Request) -> JSONResponse:
     body = await _body(request, VariableSet)
-    assert isinstance(body, VariableSet)
     try:
         var = programs(request).set_variable(tenant_of(request), var_id, body.value)
     except ProgramError as e:
@@ -130,11 +130,10 @@ async def get_variable(var_id: str, request: Request, criteria: Criteria | None 
     return JSONResponse(variable_json(var))
 
 
-@router.post("/v1/programs/calls")
+@router.post("/v1/programs/calls", openapi_extra=json_body(CallCreate))
 async def submit_call(request: Request) -> JSONResponse:
     """Submit one call of a semantic function; it returns at once with its output variable."""
     body = await _body(request, CallCreate)
-    assert isinstance(body, CallCreate)
     try:
         call = programs(request).submit(tenant_of(request), body.program_id, body.to_spec(), body.criteria)
     except ProgramError as e:

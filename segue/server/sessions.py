@@ -1,17 +1,19 @@
 """Sessions: conversations whose paused request the engine keeps between client turns.
 
-A response that ends on client-side tool calls, or a session's turn that ends normally (a human
-turn is next; the request pauses at its stop token instead of finishing, see pause_on_stop), leaves
-its request paused in the engine (detached from the finished HTTP stream); the session remembers
-what the client saw (`transcript`) and what the model holds (`context` + `segment`), so the
-client's next request, which repeats the whole history as OpenAI clients do, can be checked
-against the transcript and only the new messages fed to the engine. While paused, the request's KV
+A response that ends on client-side tool calls, or a session's turn that ends normally or on
+max_tokens (a human turn is next; the request pauses at its stop token or last token instead of
+finishing, see pause_on_stop and pause_on_length), leaves its request paused in the engine
+(detached from the finished HTTP stream); the session remembers what the client saw (`transcript`)
+and what the model holds (`context` + `segment`), so the client's next request, which repeats the
+whole history as OpenAI clients do, can be checked against the transcript and only the new
+messages fed to the engine. While paused, the request's KV
 follows the engine's interception policy (preserved, swapped or discarded), so a held session
 costs little device memory; the idle expiry aborts it.
 
-A turn that ends on max_tokens (or on a stop string, whose text the client never sees but the
-context would keep) finishes its request; the next turn starts fresh from the full history and
-the prefix cache serves the shared part.
+A turn that ends on a stop string (whose text the client never sees but the context would keep),
+on the context window, or on max_tokens where the continuation would not give the tokens a fresh
+request gets (tool_loop.py) is not held; the next turn starts fresh from the full history and the
+prefix cache serves the shared part.
 
 Sessions belong to the tenant (API key) that made them; any other tenant gets the same 404 as for
 an unknown id, so ids cannot be probed.
@@ -50,6 +52,7 @@ class HeldRequest:
     tools: list[dict[str, Any]]
     # Text of the token held after `segment` when the turn paused at its stop (the end-of-turn
     # token): the next turn's rendered continuation starts with it, and it is not appended again.
+    # Empty when the turn was cut off by max_tokens: the continuation is appended whole.
     end_text: str = ""
 
 

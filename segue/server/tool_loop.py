@@ -7,7 +7,9 @@ engine request continues, so the client sees one response. If any call is the cl
 request stays paused (detached into a session) and the response ends with finish_reason
 "tool_calls". A session's turn that ends normally pauses too (pause_on_stop): the response ends
 with "stop" and the session holds the request, its end-of-turn token included, for the human's
-reply. Tool durations are not recorded here: the engine times each interception itself.
+reply; so does one cut off by max_tokens (pause_on_length, "length"), held only when the next
+turn's continuation gives the tokens a fresh request would. Tool durations are not recorded here:
+the engine times each interception itself.
 
 Text inside tool calls is never shown as content: deltas stop short of anything that could still
 become a call, and calls leave the stream as `tool_calls` (client-side) or not at all (server-side).
@@ -45,7 +47,7 @@ class TurnEnd:
     usage: Usage
     # The client's calls, when finish_reason is "tool_calls".
     tool_calls: list[ToolCall] = field(default_factory=list)
-    # The paused request, for the session: on "tool_calls", and on "stop" in a session.
+    # The paused request, for the session: on "tool_calls", and on "stop" or "length" in a session.
     held: HeldRequest | None = None
 
 
@@ -103,7 +105,7 @@ class ChatTurn:
                     yield self._end(out, c.finish_reason or "stop")
                     return
                 if _ended_turn(out):
-                    yield self._hold_at_stop(out, c)
+                    yield await self._hold_turn_end(out, c)
                     return
                 if out.paused:
                     end = await self._on_pause(out, c)
@@ -150,22 +152,33 @@ class ChatTurn:
         return TurnEnd(reason, usage, calls or [], held)
 
     # ---- pauses --------------------------------------------------------------------------
-    def _hold_at_stop(self, out: RequestOutput, c: CompletionOutput) -> TurnEnd:
-        """The turn ended at a stop with its request paused: hand it to the session when its context
-        is what the next turn's rendering would continue; otherwise it is aborted (events' finally)
-        and the next turn starts fresh, as after a finished turn."""
-        end = self._end(out, "stop")
+    async def _hold_turn_end(self, out: RequestOutput, c: CompletionOutput) -> TurnEnd:
+        """The turn ended (a stop, or max_tokens) with its request paused: hand it to the session
+        when its context is what the next turn's rendering would continue; otherwise it is aborted
+        (events' finally) and the next turn starts fresh, as after a finished turn."""
+        reason = c.finish_reason or "stop"
+        end = self._end(out, reason)
         if isinstance(c.stop_reason, str) or not c.token_ids:
             # A stop string: the context holds text the client never saw (its history will not).
             return end
-        tokenizer = self.ctx.engine.engine.tokenizer
-        end_text = tokenizer.decode([c.token_ids[-1]], skip_special_tokens=False)
-        if not self.ctx.renderer.ends_turn_with(end_text):
-            return end
+        held_ids = list(out.prompt_token_ids) + list(c.token_ids)
+        segment = self._segment(c)
+        end_text = ""
+        if reason == "length":
+            # Cut off: no end-of-turn token is held, the next turn's rendering closes the message.
+            if not await self.ctx.in_thread(self.ctx.renderer.continues_cut_turn, self.context, segment,
+                                            self.setup.tools, held_ids, self.ctx.engine.engine.encode):
+                return end
+        else:
+            tokenizer = self.ctx.engine.engine.tokenizer
+            end_text = tokenizer.decode([c.token_ids[-1]], skip_special_tokens=False)
+            if not self.ctx.renderer.ends_turn_with(end_text):
+                return end
         self.ctx.engine.detach(self.request_id)
-        end.held = HeldRequest(self.request_id, list(out.prompt_token_ids) + list(c.token_ids), self.context,
-                               self._segment(c), len(c.text), c.num_generated_tokens, [], self.parser,
-                               self.setup.tools, end_text=end_text)
+        end.held = HeldRequest(self.request_id, held_ids, self.context, segment, len(c.text),
+                               c.num_generated_tokens, [], self.parser, self.setup.tools, end_text=end_text)
+        if self.expected_tool_seconds is not None:  # here: how long the human (or client) takes
+            await self._hint_duration(self.expected_tool_seconds)
         return end
 
     async def _on_pause(self, out: RequestOutput, c: CompletionOutput) -> TurnEnd | None:
@@ -220,5 +233,6 @@ class ChatTurn:
 
 
 def _ended_turn(out: RequestOutput) -> bool:
-    """Paused at a stop (pause_on_stop): the turn is over but the request lives on."""
-    return out.paused and out.outputs[0].finish_reason == "stop"
+    """Paused at the end of a turn (pause_on_stop: "stop", pause_on_length: "length"): the turn is
+    over but the request lives on. A tool call's pause has no finish reason."""
+    return out.paused and out.outputs[0].finish_reason in ("stop", "length")

@@ -1,0 +1,145 @@
+"""`segue profile`: the joint non-negative step-time fit, the profile JSON, and a tiny-model run."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from segue.config import CacheConfig, EngineConfig, ModelLoadConfig
+from segue.engine import LLMEngine
+from segue.executor import profiler
+from segue.executor.step_fit import StepPoint, fit_steps, nnls
+from segue.sched.cost_model import CostModel
+
+
+def _synthetic(a: float, b: float, c: float, noise: float = 0.0, seed: int = 0) -> list[StepPoint]:
+    """Prefills of 1..1024 tokens, B x C decode batches and mixed steps, timed by a known model."""
+    rng = np.random.default_rng(seed)
+    shapes = [("prefill", t, t, 1) for t in (1, 16, 64, 256, 512, 1024)]
+    shapes += [("decode", bb, bb * cc, bb) for bb, cc in itertools.product((1, 4, 16, 32), (128, 512, 1024))]
+    shapes += [("mixed", 128 + bb, 128 + bb * 256, bb + 1) for bb in (1, 8)]
+    return [StepPoint(kind, tokens, ctx, seqs, (a * tokens + b + c * ctx) * (1 + noise * rng.standard_normal()))
+            for kind, tokens, ctx, seqs in shapes]
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    fit = fit_steps(_synthetic(2.0, 50.0, 0.01))
+    assert fit.ms_per_token == pytest.approx(2.0, rel=1e-6)
+    assert fit.base_ms == pytest.approx(50.0, rel=1e-6)
+    assert fit.ms_per_context_token == pytest.approx(0.01, rel=1e-6)
+    assert fit.r2 == pytest.approx(1.0)
+    assert set(fit.residuals) == {"prefill", "decode", "mixed"}
+    assert all(abs(r["mean_rel_error"]) < 1e-6 for r in fit.residuals.values())
+
+
+def test_fit_with_noise_stays_close() -> None:
+    fit = fit_steps(_synthetic(2.0, 50.0, 0.01, noise=0.03))
+    assert fit.ms_per_token == pytest.approx(2.0, rel=0.1)
+    assert fit.base_ms == pytest.approx(50.0, rel=0.15)
+    assert fit.ms_per_context_token == pytest.approx(0.01, rel=0.3)
+
+
+def test_superlinear_prefill_keeps_a_positive_intercept() -> None:
+    # Prefill with a quadratic attention term: a line through the prefills alone has a negative
+    # intercept (the failure `segue profile` had); the joint fit with decode steps keeps the base.
+    prefill = [StepPoint("prefill", t, t, 1, 3.0 * t + 40.0 + 0.004 * t * t) for t in (1, 16, 64, 256, 512, 1024)]
+    xs = np.array([p.batched_tokens for p in prefill], float)
+    _, intercept = np.polyfit(xs, [p.step_ms for p in prefill], 1)
+    assert intercept < 0
+    decode = [StepPoint("decode", bb, bb * cc, bb, 3.0 * bb + 40.0 + 0.02 * bb * cc)
+              for bb, cc in itertools.product((1, 4, 16), (128, 512))]
+    fit = fit_steps(prefill + decode)
+    assert fit.base_ms > 30.0
+    assert min(fit.ms_per_token, fit.base_ms, fit.ms_per_context_token) >= 0
+    assert abs(fit.residuals["decode"]["mean_rel_error"]) < 0.1
+
+
+def test_nnls_matches_unconstrained_when_feasible_and_clips_otherwise() -> None:
+    rng = np.random.default_rng(1)
+    x = rng.uniform(0, 1, size=(20, 3))
+    y = x @ np.array([1.0, 2.0, 3.0])
+    assert nnls(x, y) == pytest.approx([1.0, 2.0, 3.0])
+    y = x @ np.array([1.0, -2.0, 3.0])
+    w = nnls(x, y)
+    assert w[1] == 0 and np.all(w >= 0)
+    # Optimal among non-negative solutions: no feasible perturbation does better.
+    err = np.sum((x @ w - y) ** 2)
+    for dw in itertools.product((-1e-3, 0, 1e-3), repeat=3):
+        cand = np.maximum(w + np.array(dw), 0)
+        assert np.sum((x @ cand - y) ** 2) >= err - 1e-12
+
+
+def test_fit_rejects_too_few_points() -> None:
+    with pytest.raises(ValueError):
+        fit_steps(_synthetic(1.0, 1.0, 0.0)[:2])
+
+
+def test_per_seq_fit_finds_a_per_sequence_cost() -> None:
+    points = [StepPoint(p.kind, p.batched_tokens, p.context_tokens, p.num_seqs, p.step_ms + 3.0 * p.num_seqs)
+              for p in _synthetic(2.0, 50.0, 0.01)]
+    fit = fit_steps(points, per_seq=True)
+    assert fit.ms_per_seq == pytest.approx(3.0, rel=1e-6)
+    assert fit.mean_abs_rel_error < fit_steps(points).mean_abs_rel_error
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from conftest import make_tiny_checkpoint
+
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_ckpt: str) -> LLMEngine:
+    config = EngineConfig(model=ModelLoadConfig(model=tiny_ckpt),
+                          cache=CacheConfig(kv_cache_tokens=2048, swap_space_tokens=256))
+    return LLMEngine(config.validate())
+
+
+def test_tiny_profile_writes_a_loadable_profile(tiny_engine: LLMEngine, tmp_path) -> None:
+    cost, report = profiler.profile(tiny_engine, grid=profiler.TINY_GRID)
+    assert not tiny_engine.has_unfinished_requests()
+    assert "execute" not in vars(tiny_engine.executor)  # the timing wrapper is gone
+    kinds = {p.kind for p in report.points}
+    assert kinds == {"prefill", "decode", "mixed"}
+    decodes = [p for p in report.points if p.kind == "decode"]
+    assert {p.num_seqs for p in decodes} == {1, 4, 2}
+    assert all(p.batched_tokens == p.num_seqs for p in decodes)
+    assert min(cost.fwd_ms_per_token, cost.fwd_base_ms, cost.fwd_ms_per_context_token) >= 0
+    assert cost.fwd_ms_per_token > 0 and cost.swap_bytes_per_s > 0
+    path = tmp_path / "profile.json"
+    profiler.save_profile(path, cost, report)
+    data = json.loads(path.read_text())
+    assert {"fit", "per_seq_fit", "points", "wall_over_cpu_median", "fwd_ms_per_context_token"} <= set(data)
+    assert set(data["fit"]["residuals"]) == kinds
+    assert len(data["points"]) == len(report.points)
+    assert CostModel.load(path) == cost
+
+
+def test_profile_skips_what_the_engine_cannot_hold(tiny_engine: LLMEngine) -> None:
+    grid = profiler.ProfileGrid(prefill_tokens=(8, 100000), decode_groups=((2, 16), (4096, 16), (1, 100000)),
+                                decode_steps=2, mixed_prompt=0, repeats=1)
+    points, skipped = profiler.measure_steps(tiny_engine, grid)
+    assert len(skipped) == 3
+    assert {p.kind for p in points} == {"prefill", "decode"}
+
+
+def test_cpu_timer_fits_cpu_time(tiny_engine: LLMEngine) -> None:
+    cost, report = profiler.profile(tiny_engine, grid=profiler.TINY_GRID, timer="cpu")
+    assert report.timer == "cpu" and "cpu time" in cost.source
+    assert all(p.cpu_ms > 0 for p in report.points)
+    with pytest.raises(ValueError):
+        profiler.profile(tiny_engine, grid=profiler.TINY_GRID, timer="gpu")
+
+
+def test_cli_profile_writes_the_json(tiny_ckpt: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from segue.cli import main
+
+    out = tmp_path / "p.json"
+    assert main(["--log-level", "WARNING", "profile", "--model", tiny_ckpt, "--grid", "tiny", "--output", str(out),
+                 "--kv-cache-tokens", "2048", "--swap-space-tokens", "256"]) == 0
+    assert "R^2" in capsys.readouterr().out
+    assert CostModel.load(out).fwd_ms_per_token > 0
+    assert json.loads(out.read_text())["timer"] == "wall"
