@@ -251,7 +251,7 @@ def profile(engine: LLMEngine, repeats: int | None = None, seed: int = 0, grid: 
         logger.info("%s step: %d tokens, %d context, %d seqs: %.1f ms (fit %.1f)", p.kind, p.batched_tokens,
                     p.context_tokens, p.num_seqs, p.step_ms, fit.predict_ms(p.batched_tokens, p.context_tokens))
     cost = CostModel(fwd_ms_per_token=max(fit.ms_per_token, 1e-6), fwd_base_ms=fit.base_ms,
-                     fwd_ms_per_context_token=fit.ms_per_context_token, saturation_tokens=_saturation(points),
+                     fwd_ms_per_context_token=fit.ms_per_context_token, saturation_tokens=_saturation(timed),
                      swap_bytes_per_s=_swap_bandwidth(engine), kv_bytes_per_token=engine.executor.kv_bytes_per_token,
                      device=engine.executor.device_name, source=f"profiled {time.strftime('%Y-%m-%d')} ({timer} time)")
     return cost, report

@@ -107,4 +107,5 @@ def fit_steps(points: list[StepPoint], per_seq: bool = False) -> StepFit:
                            "mean_rel_error": float(rel[idx].mean()),
                            "max_abs_rel_error": float(np.abs(rel[idx]).max())}
     return StepFit(ms_per_token=float(w[0]), base_ms=float(w[1]), ms_per_context_token=float(w[2]),
-                   ms_per_seq=float(w[3]) if per_seq else 0.0, r2=r2, mean_abs_rel_error=float(np.abs(rel).mean()), residuals=residuals)
+                   ms_per_seq=float(w[3]) if per_seq else 0.0, r2=r2,
+                   mean_abs_rel_error=float(np.abs(rel).mean()), residuals=residuals)
