@@ -171,24 +171,54 @@ def test_enst_prefers_the_request_about_to_be_promoted():
     assert [r.request_id for r in policy.preemption_order([x, y, z], now)] == ["y", "z", "x"]
 
 
-def test_memory_pressure_evicts_the_largest_enst_holder():
+def test_memory_pressure_without_a_host_pool_makes_the_head_wait():
+    """Nothing is dropped to recompute (under overload that restarts requests over and over):
+    without host room the higher-priority arrival waits for memory, as in vLLM."""
     sched, policy = make(num_blocks=14, max_seqs=3, base_quantum_s=1.0, starvation_limit_s=10.0)
     x, y, z = req("x", 12, 8), req("y", 12, 8), req("z", 12, 8)
     for r in (x, y, z):
         sched.add_request(r)
     _, now = step(sched, 0.0)  # all three prefill: 9 of 14 blocks held
     assert sched.kv.num_free_blocks == 5
-    policy.entries["y"].level = 2
-    policy.entries["z"].level, policy.entries["z"].last_served = 3, now - 9.99
+    policy.entries["y"].level, policy.entries["z"].level = 2, 3
     sched.config.max_num_seqs = 2
     n = req("n", 20, 2, now, first_token=20)  # 5 blocks (no prefix hit), joins q_0 behind x
     sched.add_request(n)
     out, now = step(sched, now)
-    assert [s.request.request_id for s in out.seqs] == ["x", "n"]
-    # Key order would evict z (the lowest queue); ENST evicts y, which z will overtake by promotion.
-    assert out.preempted == [y]
-    assert y.num_computed_tokens == 0 and y.num_preemptions == 1 and y.status == RequestStatus.PREEMPTED
-    assert sched.kv.num_device_blocks_of("z") == 3 and z.num_preemptions == 0
+    assert [s.request.request_id for s in out.seqs] == ["x"]  # n waits and blocks y and z
+    assert not out.preempted and not out.blocks_to_swap_out
+    assert all(sched.kv.num_device_blocks_of(r.request_id) == 3 for r in (y, z))
+    while not x.is_finished:  # x finishes and frees its blocks; then n runs
+        out, now = step(sched, now)
+    out, now = step(sched, now)
+    assert "n" in [s.request.request_id for s in out.seqs] and sched.num_preemptions_total == 0
+
+
+def test_memory_pressure_swaps_out_the_largest_enst_holder():
+    """The largest-ENST holder is swapped out (nothing to recompute); the head waits one step for
+    the copies, then gets the memory before any swap-in can take it."""
+    sched, policy = make(num_blocks=14, host_blocks=16, max_seqs=3, base_quantum_s=1.0,
+                         starvation_limit_s=10.0)
+    x, y, z = req("x", 12, 8), req("y", 12, 8), req("z", 12, 8)
+    for r in (x, y, z):
+        sched.add_request(r)
+    _, now = step(sched, 0.0)
+    policy.entries["y"].level = 2
+    policy.entries["z"].level, policy.entries["z"].last_served = 3, now - 9.99
+    sched.config.max_num_seqs = 2
+    n = req("n", 20, 2, now, first_token=20)
+    sched.add_request(n)
+    out, now = step(sched, now)
+    assert [s.request.request_id for s in out.seqs] == ["x"]  # n waits for the swap-out
+    # n needs 5 blocks and 4 are free: y goes to the host, whole (half of it could not run).
+    assert not out.preempted and len(out.blocks_to_swap_out) == 3
+    assert y.status == RequestStatus.SWAPPED and sched.kv.num_host_blocks_of("y") == 3
+    assert sched.kv.num_device_blocks_of("y") == 0
+    # Key order would pick z (the lowest queue); ENST picks y, which z will overtake by promotion.
+    assert sched.kv.num_device_blocks_of("z") == 3
+    out, now = step(sched, now)
+    assert [s.request.request_id for s in out.seqs] == ["x", "n"] and not out.blocks_to_swap_in
+    assert y.num_preemptions == 0 and y.num_computed_tokens == 12  # nothing to recompute
 
 
 def test_reserve_swaps_out_pending_requests_and_brings_them_back():

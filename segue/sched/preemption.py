@@ -14,43 +14,40 @@ if TYPE_CHECKING:
 
 
 class Room(enum.Enum):
-    FREED = "freed"          # device blocks are free now
-    IN_FLIGHT = "in_flight"  # swap-outs free them when this step's copies are done
-    NONE = "none"            # nothing of lower priority holds device memory
+    IN_FLIGHT = "in_flight"  # swap-outs free the blocks when this step's copies are done
+    NONE = "none"            # nothing to take: the head waits (vLLM's behaviour)
 
 
 def make_room(sched: Scheduler, head: Request, need: int, out: SchedulerOutput) -> Room:
-    """Preemptive policies: take device memory from lower-priority requests that are not running
-    this step, in the policy's preemption order. Swap them out while the host has room (the
-    head waits a step, nobody recomputes); otherwise drop their KV (they recompute later)."""
+    """Preemptive policies: swap out lower-priority requests that are not running this step, in
+    the policy's preemption order, to free `need` device blocks for `head` by the next step.
+
+    They are never dropped to recompute: under overload, killing pending requests to admit new
+    ones restarts them over and over (FastServe's second strawman); when the host pool is full
+    the head waits for memory instead."""
+    deficit = need - sched.kv.num_free_blocks
+    host = sched.kv.host
+    if host is None or host.num_free_blocks < deficit:
+        return Room.NONE
     head_key = sched.policy.key(head, sched.now)
     holders = [r for r in sched.waiting + sched.paused.swapped
                if r is not head and sched.kv.num_device_blocks_of(r.request_id)
                and sched.policy.key(r, sched.now) > head_key]
-    if not holders:
-        return Room.NONE
-    victims = sched.policy.preemption_order(holders, sched.now)
-    deficit = need - sched.kv.num_free_blocks
-    host = sched.kv.host
-    if host is not None and host.num_free_blocks >= deficit:
-        for victim in victims:
-            if deficit <= 0:
-                break
-            deficit -= swap_out(sched, victim, deficit, out)
-        return Room.IN_FLIGHT
-    for victim in victims:
-        if sched.kv.num_free_blocks >= need:
+    # Whole victims: a request left half on the device could not run and would hold memory.
+    chosen, room = [], 0
+    for victim in sched.policy.preemption_order(holders, sched.now):
+        blocks = sched.kv.num_device_blocks_of(victim.request_id)
+        if room >= deficit:
             break
-        if victim.status == RequestStatus.SWAPPED:
-            sched.kv.discard_device_blocks(victim)
-        else:
-            sched.kv.free(victim)
-            victim.num_computed_tokens = 0
-            victim.status = RequestStatus.PREEMPTED
-        victim.num_preemptions += 1
-        sched.num_preemptions_total += 1
-        out.preempted.append(victim)
-    return Room.FREED
+        if room + blocks <= host.num_free_blocks:
+            chosen.append(victim)
+            room += blocks
+    if room < deficit:
+        return Room.NONE
+    for victim in chosen:
+        swap_out(sched, victim, sched.kv.num_device_blocks_of(victim.request_id), out)
+    sched.earmarked_blocks += need
+    return Room.IN_FLIGHT
 
 
 def swap_out(sched: Scheduler, req: Request, max_blocks: int, out: SchedulerOutput) -> int:
@@ -69,7 +66,7 @@ def keep_reserve(sched: Scheduler, out: SchedulerOutput, reserve: int, now: floa
     """Proactive swapping (FastServe §4.2): keep `reserve` device blocks free for arrivals, and
     room for the swapped request expected to run soonest when it outranks a resident one, by
     swapping out the requests that wait the longest, within what the link moves during this
-    step so the copies hide behind its compute."""
+    step so the copies hide behind its compute. Requests go out whole or not at all."""
     bs = sched.kv.block_size
     budget = (sched.cost.swap_limit(sched.last_batch_tokens) // bs
               - len(out.blocks_to_swap_in) - len(out.blocks_to_swap_out))
@@ -85,16 +82,17 @@ def keep_reserve(sched: Scheduler, out: SchedulerOutput, reserve: int, now: floa
         best_on_host = max(on_host, key=lambda r: rank[id(r)])
         if rank[id(best_on_host)] > min(rank[id(r)] for r in waiting_resident):
             room_for_it = sched.kv.num_host_blocks_of(best_on_host.request_id)
-    deficit = reserve - sched.kv.num_free_blocks
+    # Blocks swapped out this step are free by the next one, except those earmarked for a head.
+    deficit = reserve - (sched.kv.num_free_blocks + len(out.blocks_to_swap_out) - sched.earmarked_blocks)
     for req in victims:
         if req is best_on_host:
             room_for_it = 0  # the rest rank above it: they only give way to the reserve
         if deficit + room_for_it <= 0 or budget <= 0:
             break
-        if not sched.kv.num_device_blocks_of(req.request_id):
-            continue
-        moved = swap_out(sched, req, budget, out)
-        if not moved:
-            break  # the host pool is full
-        budget -= moved
-        deficit -= moved
+        blocks = sched.kv.num_device_blocks_of(req.request_id)
+        host_free = sched.kv.host.num_free_blocks
+        if not blocks or blocks > budget or blocks > host_free:
+            continue  # whole requests only, and only what hides behind this step's compute
+        swap_out(sched, req, blocks, out)
+        budget -= blocks
+        deficit -= blocks

@@ -50,6 +50,9 @@ class Scheduler:
         self.prefix_query_tokens = 0
         # The clock of the latest step; hooks called between steps (finish, abort) use it.
         self.now = 0.0
+        # Device blocks that this step's swap-outs free for a waiting higher-priority request:
+        # the next step's swap-ins must leave them to it.
+        self.earmarked_blocks = 0
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -145,9 +148,11 @@ class Scheduler:
         if self.policy.preemptive:
             # Swap in first whoever the policy expects to run soonest.
             self.paused.swapped[:] = reversed(self.policy.preemption_order(self.paused.swapped, now))
-        # Swap-ins leave the arrival reserve free, unless nothing else could run.
+        # Swap-ins leave the arrival reserve and earmarked blocks free, unless nothing else could run.
+        keep_free = reserve + self.earmarked_blocks if self.running or self.waiting else 0
+        self.earmarked_blocks = 0
         plan = self.paused.plan(now, running_tokens, len(self.running), self.last_batch_tokens,
-                                keep_free_blocks=reserve if self.running or self.waiting else 0)
+                                keep_free_blocks=keep_free)
         out.blocks_to_swap_out, out.blocks_to_swap_in = plan.swap_out, plan.swap_in
         for req in plan.ready:
             req.status = RequestStatus.WAITING
@@ -192,10 +197,8 @@ class Scheduler:
                     need = self.kv.num_blocks_needed(req, num_new) - len(hits)
                     freed = self.paused.release_for_memory(need)
                     if self.policy.preemptive and self.kv.num_free_blocks < need:
-                        room = make_room(self, req, need, out)
-                        if room is Room.IN_FLIGHT:
+                        if make_room(self, req, need, out) is Room.IN_FLIGHT:
                             break  # swap-outs free the memory by the next step
-                        freed = room is Room.FREED or freed
                     if not ((freed or self._release_waiting_kv(req))
                             and self.kv.allocate_slots(req, num_new, hits)):
                         break  # head-of-line: the policy's order decides who gets memory first
