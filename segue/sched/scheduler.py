@@ -110,7 +110,7 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.append(request)
 
-    def _release_waiting_kv(self, head: Request) -> bool:
+    def _release_waiting_kv(self, head: Request, need_blocks: int) -> bool:
         """When nothing runs, nothing will ever free memory: requests that wait while holding KV
         (resumed preserved or swapped-in contexts) could block the head of the queue forever.
         Drop the KV of the lowest-priority holders (they recompute later). True if any freed."""
@@ -131,7 +131,7 @@ class Scheduler:
             req.num_preemptions += 1
             self.num_preemptions_total += 1
             freed = True
-            if self.kv.num_free_blocks >= self.kv.num_blocks_needed(head, 1):
+            if self.kv.num_free_blocks >= need_blocks:
                 break
         return freed
 
@@ -199,7 +199,7 @@ class Scheduler:
                     if self.policy.preemptive and self.kv.num_free_blocks < need:
                         if make_room(self, req, need, out) is Room.IN_FLIGHT:
                             break  # swap-outs free the memory by the next step
-                    if not ((freed or self._release_waiting_kv(req))
+                    if not ((freed or self._release_waiting_kv(req, need))
                             and self.kv.allocate_slots(req, num_new, hits)):
                         break  # head-of-line: the policy's order decides who gets memory first
                 if req.num_cached_tokens < 0:
