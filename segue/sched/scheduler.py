@@ -173,7 +173,8 @@ class Scheduler:
             while not self.kv.allocate_slots(req, num_new):
                 if self.paused.release_for_memory(self.kv.num_blocks_needed(req, num_new)):
                     continue
-                victim = self.running[-1]
+                # Only requests not yet scheduled this step may give way (the current one included).
+                victim = self.policy.preemption_order(self.running[i:], now)[0]
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:

@@ -33,6 +33,10 @@ Options (`scheduler.policy_options`):
                         and changed predictions always re-score
   swap_waste            "chunked" (default) or "sync" (InferCept eq. 3)
   step_s, other_tokens, num_running   fix τ, C_other and the batch size instead of measuring them
+  victim                "rank" (default, the paper's order): when memory runs out the largest
+                        score gives way — long contexts, the costliest to rebuild; "cheapest":
+                        the running request with the least computed context gives way instead
+                        (measured in the simulator: no better, see BENCHMARKS.md)
 """
 from __future__ import annotations
 
@@ -43,7 +47,8 @@ from segue.request import Request, RequestStatus
 from segue.sched.interception.lamps import HandlingChoice, choose_handling
 from segue.sched.policies.base import PolicyContext, SchedulingPolicy
 
-_OPTIONS = {"starvation_threshold", "score_refresh_steps", "swap_waste", "step_s", "other_tokens", "num_running"}
+_OPTIONS = {"starvation_threshold", "score_refresh_steps", "swap_waste", "step_s", "other_tokens", "num_running",
+            "victim"}
 # Weight of the newest step in the batch estimates: follows load changes within ~10 steps.
 _EMA = 0.1
 
@@ -104,6 +109,9 @@ class LAMPSPolicy(SchedulingPolicy):
         self.starvation_threshold = int(opts.get("starvation_threshold", 100))
         self.score_refresh_steps = max(1, int(opts.get("score_refresh_steps", 1)))
         self.swap_waste = str(opts.get("swap_waste", "chunked"))
+        self.victim = str(opts.get("victim", "rank"))
+        if self.victim not in ("cheapest", "rank"):
+            raise ValueError(f"lamps victim must be 'cheapest' or 'rank', not {self.victim!r}")
         self.fixed_step_s: float | None = opts.get("step_s")
         self.fixed_other_tokens: float | None = opts.get("other_tokens")
         self.fixed_num_running: float | None = opts.get("num_running")
@@ -245,3 +253,12 @@ class LAMPSPolicy(SchedulingPolicy):
         obs.segment_tokens += request.num_generated_tokens - track.seg_start_generated
         if intercepted:
             obs.intercepted_segments += 1
+
+    def preemption_order(self, requests: list[Request], now: float) -> list[Request]:
+        """Starving requests are never victims while others remain; then the cheapest to rebuild."""
+        if self.victim == "rank":
+            return super().preemption_order(requests, now)
+        def order(r: Request) -> tuple[bool, int]:
+            track = self.tracks.get(r.request_id)
+            return (track is not None and track.starving, r.num_computed_tokens)
+        return sorted(requests, key=order)
