@@ -14,18 +14,8 @@ from segue.server.app import create_app
 from segue.server.config import ServerConfig
 from segue.server.templating import ChatRenderer
 from test_server_sessions import KEY_A, KEY_B, chat, close, make_client, scripted_text
-from test_server_support import (ScriptedModel, ServerThread, encode, engine_fixture, engine_stats, on_engine,
-                                 wait_idle, wait_until)
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AsyncLLMEngine, ScriptedModel]]:
-    yield from engine_fixture(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def engine(setup: tuple[AsyncLLMEngine, ScriptedModel]) -> AsyncLLMEngine:
-    return setup[0]
+from test_server_support import (  # noqa: F401  (engine, setup: shared pytest fixtures)
+    ScriptedModel, ServerThread, encode, engine, engine_stats, on_engine, setup, wait_idle, wait_until)
 
 
 @pytest.fixture(scope="module")

@@ -14,23 +14,14 @@ from segue.async_engine import AsyncLLMEngine
 from segue.server.app import create_app
 from segue.server.config import ServerConfig
 from segue.tools.registry import ToolRegistry
-from test_server_support import (ScriptedModel, ServerThread, call_text, encode, engine_fixture, engine_stats,
-                                 num_paused, on_engine, wait_idle, wait_until)
+from test_server_support import (  # noqa: F401  (engine, setup: shared pytest fixtures)
+    ScriptedModel, ServerThread, call_text, encode, engine, engine_stats, num_paused, on_engine, setup, wait_idle,
+    wait_until)
 
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AsyncLLMEngine, ScriptedModel]]:
-    yield from engine_fixture(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def engine(setup: tuple[AsyncLLMEngine, ScriptedModel]) -> AsyncLLMEngine:
-    return setup[0]
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from segue.server.app import create_app
 from segue.server.config import ServerConfig
 from segue.tools.registry import ToolRegistry
 from segue.tools.spec import ToolSpec
-from test_server_support import (ScriptedModel, ServerThread, call_text, engine_fixture, num_paused, on_engine,
-                                 wait_idle, wait_until)
+from test_server_support import (  # noqa: F401  (engine, setup: shared pytest fixtures)
+    ScriptedModel, ServerThread, call_text, engine, num_paused, on_engine, setup, wait_idle, wait_until)
 
 WAIT_TIMEOUT_S = 2.0
 
@@ -29,16 +29,6 @@ def registry() -> ToolRegistry:
     tools.register(ToolSpec(name="fail", description="Always fails.",
                             parameters={"type": "object", "properties": {}}), failing_tool)
     return tools
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AsyncLLMEngine, ScriptedModel]]:
-    yield from engine_fixture(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def engine(setup: tuple[AsyncLLMEngine, ScriptedModel]) -> AsyncLLMEngine:
-    return setup[0]
 
 
 @pytest.fixture(scope="module")
