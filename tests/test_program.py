@@ -293,9 +293,9 @@ def test_delete_cancels_running_calls(http: httpx.Client, scripted: tuple[Any, S
 
 def test_calls_sharing_a_prefix_reuse_its_kv(http: httpx.Client, server: ServerThread,
                                             scripted: tuple[Any, ScriptedModel]) -> None:
+    pid = _program(http)  # the executor is made on the first programs request
     stats = server.app.state.programs.stats
     waits = stats.prefix_waits
-    pid = _program(http)
     doc = _var(http, pid, None, "doc")
     outs = [_call(http, pid, f"{{{{input:doc}}}} Question {i}?{{{{output:a}}}}", {"doc": doc}, max_tokens=2)
             for i in range(3)]

@@ -12,10 +12,11 @@ from segue.config import SchedulerConfig
 from segue.kv.manager import KVCacheManager
 from segue.request import Request, RequestStatus
 from segue.sched.cost_model import CostModel
+from segue.sched.admission import admit_waiting
 from segue.sched.interception import InterceptionPolicy, make_interception_policy
 from segue.sched.output import ScheduledSeq, SchedulerOutput
 from segue.sched.paused import PausedRequests
-from segue.sched.preemption import Room, keep_reserve, make_room
+from segue.sched.preemption import keep_reserve
 from segue.sched.policies import SchedulingPolicy
 
 
@@ -186,36 +187,7 @@ class Scheduler:
 
         if not out.preempted:
             self.waiting.sort(key=key)
-            admitted = []
-            for req in self.waiting:
-                if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                    break
-                hits, num_hit = ([], 0)
-                if req.num_computed_tokens == 0:
-                    hits, num_hit = self.kv.get_computed_blocks(req)
-                num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
-                if not self.kv.allocate_slots(req, num_new, hits):
-                    need = self.kv.num_blocks_needed(req, num_new) - len(hits)
-                    freed = self.paused.release_for_memory(need)
-                    if self.policy.preemptive and self.kv.num_free_blocks < need:
-                        if make_room(self, req, need, out) is Room.IN_FLIGHT:
-                            break  # swap-outs free the memory by the next step
-                    if not ((freed or self._release_waiting_kv(req, need))
-                            and self.kv.allocate_slots(req, num_new, hits)):
-                        break  # head-of-line: the policy's order decides who gets memory first
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
-                    self.prefix_hit_tokens += num_hit
-                    self.prefix_query_tokens += req.num_prompt_tokens
-                req.num_computed_tokens += num_hit
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                admitted.append(req)
-                scheduled.append((req, num_new))
-                budget -= num_new
-            if admitted:
-                admitted_ids = {id(r) for r in admitted}
-                self.waiting = [r for r in self.waiting if id(r) not in admitted_ids]
+            budget = admit_waiting(self, out, budget, scheduled)
 
         self.last_batch_tokens = sum(n for _, n in scheduled)
         for req, num_new in scheduled:

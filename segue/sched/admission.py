@@ -1,0 +1,90 @@
+"""Admission of waiting requests into a step, in the policy's order, under the token budget and
+the device KV pool. Used by the Scheduler; pure Python."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from segue.kv.block_pool import KVBlock
+from segue.request import Request, RequestStatus
+from segue.sched.output import SchedulerOutput
+from segue.sched.preemption import Room, make_room
+
+if TYPE_CHECKING:
+    from segue.sched.scheduler import Scheduler
+
+
+@dataclass
+class _Blocked:
+    """The first request that could not get memory: it keeps its claim on what frees up."""
+    request: Request
+    num_new: int
+    hits: list[KVBlock] = field(default_factory=list)
+    need: int = 0
+    swapping: bool = False  # make_room started swap-outs for it
+
+
+def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
+                  scheduled: list[tuple[Request, int]]) -> int:
+    """Admit waiting requests in key order until the budget, max_num_seqs or memory runs out;
+    appends to `scheduled` and returns the budget left.
+
+    When the head cannot get memory, a non-preemptive policy stops there (vLLM's head-of-line
+    rule: the order decides who gets memory first). Under a preemptive policy the waiting list
+    also holds the requests that lost this step with their KV, so stopping would leave a full
+    pool idle; instead requests that already hold KV keep running within the free blocks (they
+    hold what the head waits for, and finishing gives it back). Only when nothing at all can run
+    does the head take memory from waiting holders by discarding it (they recompute later)."""
+    preemptive = sched.policy.preemptive
+    blocked: _Blocked | None = None
+    for req in list(sched.waiting):
+        if budget <= 0 or len(sched.running) >= sched.config.max_num_seqs:
+            break
+        if req.status == RequestStatus.SWAPPED:
+            continue  # swapped out by make_room for the blocked head
+        if blocked is not None and not sched.kv.num_device_blocks_of(req.request_id):
+            continue
+        hits, num_hit = ([], 0)
+        if req.num_computed_tokens == 0:
+            hits, num_hit = sched.kv.get_computed_blocks(req)
+        num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
+        if not sched.kv.allocate_slots(req, num_new, hits):
+            if blocked is not None:
+                continue
+            need = sched.kv.num_blocks_needed(req, num_new) - len(hits)
+            freed = sched.paused.release_for_memory(need)
+            blocked = _Blocked(req, num_new, hits, need)
+            if preemptive and sched.kv.num_free_blocks < need:
+                blocked.swapping = make_room(sched, req, need, out) is Room.IN_FLIGHT
+            if blocked.swapping:
+                continue  # swap-outs free the memory by the next step
+            if preemptive:
+                if not (freed and sched.kv.allocate_slots(req, num_new, hits)):
+                    continue
+            elif not ((freed or sched._release_waiting_kv(req, need))
+                      and sched.kv.allocate_slots(req, num_new, hits)):
+                break
+            blocked = None
+        _admit(sched, req, num_new, num_hit, scheduled)
+        budget -= num_new
+    if preemptive and blocked is not None and not blocked.swapping and not scheduled:
+        # Nothing ran: without a discard, nothing would ever free memory.
+        b = blocked
+        if sched._release_waiting_kv(b.request, b.need) and sched.kv.allocate_slots(b.request, b.num_new, b.hits):
+            _admit(sched, b.request, b.num_new, len(b.hits) * sched.kv.block_size, scheduled)
+            budget -= b.num_new
+    admitted = {id(r) for r, _ in scheduled}
+    sched.waiting = [r for r in sched.waiting if id(r) not in admitted]
+    return budget
+
+
+def _admit(sched: Scheduler, req: Request, num_new: int, num_hit: int,
+           scheduled: list[tuple[Request, int]]) -> None:
+    if req.num_cached_tokens < 0:
+        req.num_cached_tokens = num_hit
+        sched.prefix_hit_tokens += num_hit
+        sched.prefix_query_tokens += req.num_prompt_tokens
+    req.num_computed_tokens += num_hit
+    req.status = RequestStatus.RUNNING
+    sched.running.append(req)
+    scheduled.append((req, num_new))
