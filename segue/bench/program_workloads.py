@@ -1,7 +1,7 @@
-"""The workloads of `segue bench programs`: the same summaries written as a program (semantic
-functions over /v1/programs) and as a request-centric client (each call through /v1/completions,
-outputs fed to the next call on the client). Both pay an emulated network delay on every HTTP
-round trip, half before the request leaves and half before the response arrives.
+"""The workloads of `segue bench programs`: the same summaries (and a coder/reviewer loop) written
+as a program (semantic functions over /v1/programs) and as a request-centric client (each call
+through /v1/completions, outputs fed to the next call on the client). Both pay an emulated network
+delay on every HTTP round trip, half before the request leaves and half before the response arrives.
 """
 from __future__ import annotations
 
@@ -9,12 +9,22 @@ import glob
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from segue.program.client import Program, SemanticVariable
 
 DEFAULT_DOCUMENT = "/usr/include/lzma/*.h"
 CHAIN = ("Summary of the document so far:\n{{input:summary}}\n\nNext part of the document:\n{{input:chunk}}\n\n"
          "Updated summary of the document so far:{{output:new_summary}}")
 MAP = "Summarize this part of a document.\n\n{{input:chunk}}\n\nSummary:{{output:summary}}"
+# Two agents over one shared context (paper 003 §8.4, cut down to one file and one coder): the task
+# comes first in both templates so the coder's and the reviewer's prompts share it as a prefix.
+CODER = ("{{input:task}}\n\nYou are the coder. Write the code for the task above, addressing the "
+         "reviewer's latest comments.\nLatest review:\n{{input:review}}\n\nCode:{{output:code}}")
+REVIEWER = ("{{input:task}}\n\nYou are the reviewer. Review this code for the task above and list what "
+            "to fix.\nCode:\n{{input:code}}\n\nReview:{{output:review}}")
+NO_REVIEW = "(no review yet)"
 QUESTIONS = ["What is this about?", "List the main functions.", "Which errors can occur?", "Who wrote it?",
              "What does it return?", "Is it thread safe?", "What are the limits?", "Give an example."]
 
@@ -82,10 +92,15 @@ def _reduce_template(k: int) -> str:
             + "\n".join(f"- {{{{input:s{i}}}}}" for i in range(k)) + "\n\nSummary:{{output:final}}")
 
 
-def _complete(http: Any, prompt: str, n: int) -> str:
+def _complete(http: Any, prompt: str, n: int, record: list[dict[str, Any]] | None = None) -> str:
     r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True})
     r.raise_for_status()
-    return r.json()["choices"][0]["text"].strip()
+    body = r.json()
+    if record is not None:
+        usage = body["usage"]
+        record.append({"prompt_tokens": usage["prompt_tokens"],
+                       "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)})
+    return body["choices"][0]["text"].strip()
 
 
 def chain_baseline(url: str, chunks: list[str], n: int, delay: float) -> float:
@@ -132,4 +147,64 @@ def shared_prefix_run(url: str, doc: str, calls: int, n: int) -> float:
         document.set(doc)
         for a in answers:
             a.get(criteria="throughput")
+        return time.monotonic() - start
+
+
+def coder_reviewer_program(url: str, task_text: str, rounds: int, n: int, delay: float,
+                           record: list[dict[str, Any]] | None = None) -> float:
+    """`rounds` coder calls and `rounds` reviewer calls, each reading the one before, submitted
+    together; `record` (if given) gets each call's GET /v1/programs/{id} entry, in loop order."""
+    from segue.program.client import Client
+
+    with Client(url, transport=delayed_transport(delay)) as client:
+        start = time.monotonic()
+        with client.program() as p:
+            task = p.variable(task_text, "task")
+            # Empty output variables made up front (concurrently, on the client's pool) let every call
+            # name its input and output by id at once; with the calls' own outputs (semantic_function)
+            # each submission would wait for the previous one's round trip.
+            outputs = [p.variable(None, name) for _ in range(rounds) for name in ("code", "review")]
+            submits = []
+            for i, out in enumerate(outputs):
+                previous: SemanticVariable | str = outputs[i - 1] if i else NO_REVIEW
+                template, inputs = (CODER, {"review": previous}) if i % 2 == 0 else (REVIEWER, {"code": previous})
+                submits.append(client.pool.submit(_submit_call, p, template, {"task": task, **inputs}, out, n,
+                                                  i == len(outputs) - 1))
+            for f in submits:  # a refused call would leave its output unset and the get below waiting forever
+                f.result()
+            outputs[-1].get(criteria="latency")
+            seconds = time.monotonic() - start
+            if record is not None:
+                order = {v.id: i for i, v in enumerate(outputs)}
+                record.extend(sorted(p.info()["calls"], key=lambda c: order[c["output"]["id"]]))
+            return seconds
+
+
+def _submit_call(p: Program, template: str, inputs: dict[str, SemanticVariable | str], out: SemanticVariable,
+                 n: int, last: bool) -> None:
+    from segue.program.client import SemanticVariable, strip
+
+    body: dict[str, Any] = {
+        "program_id": p.id, "template": template, "output_variable": out.id, "max_tokens": n,
+        "temperature": 0.0, "ignore_eos": True, "transforms": [strip()],
+        "inputs": {k: v.id if isinstance(v, SemanticVariable) else {"value": v} for k, v in inputs.items()}}
+    if last:
+        body["criteria"] = "latency"  # the objective is known at submission, before the get arrives
+    p.client.request("POST", "/v1/programs/calls", json=body)
+
+
+def coder_reviewer_baseline(url: str, task_text: str, rounds: int, n: int, delay: float,
+                            record: list[dict[str, Any]] | None = None) -> float:
+    """The same loop with a round trip per call; `record` gets each call's prompt and cached tokens."""
+    import httpx
+
+    from segue.program.template import Template
+
+    coder, reviewer = Template.parse(CODER), Template.parse(REVIEWER)
+    with httpx.Client(base_url=url, transport=delayed_transport(delay), timeout=600) as http:
+        start = time.monotonic()
+        review = NO_REVIEW
+        for _ in range(rounds):
+            code = _complete(http, coder.render_text({"task": task_text, "review": review}), n, record)
+            review = _complete(http, reviewer.render_text({"task": task_text, "code": code}), n, record)
         return time.monotonic() - start

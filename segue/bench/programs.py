@@ -1,10 +1,12 @@
-"""`segue bench programs`: Parrot-style programs against request-centric clients (paper 003 §8.2-8.3).
+"""`segue bench programs`: Parrot-style programs against request-centric clients (paper 003 §8.2-8.4).
 
 Workloads over one long public-domain text (by default the API documentation in liblzma's headers,
 /usr/include/lzma/*.h, which their author put in the public domain), cut into chunks by tokens:
 
 - chain summary: each step summarizes the next chunk together with the summary so far;
 - map-reduce summary: one call per chunk, then one call that combines their summaries;
+- coder/reviewer: two agents take turns for --rounds rounds over one shared context (the first
+  --shared-prefix-tokens of the document), each reading the other's last output;
 - shared prefix: many questions over the same document prefix, prefix caching on vs off.
 
 Program runs use segue.program.client over the /v1/programs API; the baseline makes each call
@@ -24,8 +26,13 @@ import time
 from typing import Any, Callable
 
 from segue.bench import Benchmark
-from segue.bench.program_workloads import (DEFAULT_DOCUMENT, chain_baseline, chain_program, load_document,
+from segue.bench.program_workloads import (DEFAULT_DOCUMENT, chain_baseline, chain_program,
+                                           coder_reviewer_baseline, coder_reviewer_program, load_document,
                                            map_reduce_baseline, map_reduce_program, shared_prefix_run)
+
+PARTS = ("chain", "map-reduce", "coder-reviewer", "shared-prefix")
+# (server url, output tokens, delay per round trip) -> wall seconds
+Workload = Callable[[str, int, float], float]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,8 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=3,
                    help="runs of each configuration; medians are reported (default: 3)")
     g.add_argument("--shared-calls", type=int, default=12, help="calls in the shared-prefix run (default: 12)")
-    g.add_argument("--shared-prefix-tokens", type=int, default=768, help="shared document tokens (default: 768)")
-    g.add_argument("--skip", default="", help="comma separated parts to skip: chain, map-reduce, shared-prefix")
+    g.add_argument("--shared-prefix-tokens", type=int, default=768,
+                   help="shared document tokens, in the shared-prefix and coder-reviewer parts (default: 768)")
+    g.add_argument("--rounds", type=int, default=3, help="coder/reviewer rounds, two calls each (default: 3)")
+    g.add_argument("--skip", default="", help=f"comma separated parts to skip: {', '.join(PARTS)}")
     g.add_argument("--output-json", default=None, metavar="PATH")
 
 
@@ -104,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
     from segue.cli import engine_config_from_args
     from segue.engine import LLMEngine
 
+    skip = set(filter(None, args.skip.split(",")))
+    if skip - set(PARTS):
+        raise SystemExit(f"--skip: unknown parts {sorted(skip - set(PARTS))}; the parts are {', '.join(PARTS)}")
     base = engine_config_from_args(args)
     executor, tokenizer, model_config, model_name, chat_template = LLMEngine._load(base)
     forward = ForwardTimer(executor)
@@ -120,14 +132,19 @@ def run(args: argparse.Namespace) -> int:
     if len(ids) < max(need, args.shared_prefix_tokens):
         raise SystemExit(f"the document has {len(ids)} tokens; the workload needs {need}")
     chunks = [tokenizer.decode(ids[i * args.chunk_tokens:(i + 1) * args.chunk_tokens]) for i in range(args.chunks)]
-    skip = set(filter(None, args.skip.split(",")))
     delay = args.delay_ms / 1000
     results: dict[str, Any] = {"model": model_name, "document": args.document, "document_tokens": len(ids),
                                "chunks": args.chunks, "chunk_tokens": args.chunk_tokens, "delay_ms": args.delay_ms,
-                               "runs": []}
+                               "rounds": args.rounds, "shared_prefix_tokens": args.shared_prefix_tokens, "runs": []}
     with LiveServer(factory()) as s:  # warm-up: the first forward passes are slow
         chain_baseline(s.url, chunks[:2], 4, 0.0)
-    workloads = [("chain", chain_program, chain_baseline), ("map-reduce", map_reduce_program, map_reduce_baseline)]
+    task = "Task: write C code that uses the library documented below.\n\n" + tokenizer.decode(
+        ids[:args.shared_prefix_tokens])
+    workloads: list[tuple[str, Workload, Workload]] = [
+        ("chain", _bind(chain_program, chunks), _bind(chain_baseline, chunks)),
+        ("map-reduce", _bind(map_reduce_program, chunks), _bind(map_reduce_baseline, chunks)),
+        ("coder-reviewer", _bind(coder_reviewer_program, task, args.rounds),
+         _bind(coder_reviewer_baseline, task, args.rounds))]
     for name, program_fn, baseline_fn in workloads:
         if name in skip:
             continue
@@ -138,13 +155,14 @@ def run(args: argparse.Namespace) -> int:
                 for kind, fn in (("baseline", baseline_fn), ("program", program_fn)):
                     with LiveServer(factory()) as s:
                         forward.reset()
-                        times[kind].append(fn(s.url, chunks, n, delay))
+                        times[kind].append(fn(s.url, n, delay))
                         forward_s[kind].append(forward.seconds)
             med = {k: statistics.median(v) for k, v in times.items()}
             # Wall time minus the model's forward passes: network, queueing, HTTP, scheduling.
             rest = {k: statistics.median(w - f for w, f in zip(times[k], forward_s[k])) for k in times}
             both = statistics.median(forward_s["program"] + forward_s["baseline"])
-            row = {"workload": name, "output_tokens": n, **{f"{k}_s": v for k, v in times.items()},
+            row = {"workload": name, "output_tokens": n, "calls": _calls(name, args),
+                   **{f"{k}_s": v for k, v in times.items()},
                    **{f"{k}_forward_s": v for k, v in forward_s.items()},
                    # Medians: the machine is shared and single runs swing by tens of percent.
                    "speedup": med["baseline"] / med["program"],
@@ -174,16 +192,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bind(fn: Callable[..., float], *data: Any) -> Workload:
+    """The workload with its data filled in, called as fn(url, *data, n, delay)."""
+    return lambda url, n, delay: fn(url, *data, n, delay)
+
+
+def _calls(name: str, args: argparse.Namespace) -> int:
+    """LLM calls in one run of the workload (its round trips in the baseline, concurrent map calls aside)."""
+    return {"chain": args.chunks, "map-reduce": args.chunks + 1, "coder-reviewer": 2 * args.rounds}[name]
+
+
 def render(results: dict[str, Any]) -> str:
     lines = [f"segue bench programs — {results['model']}, {results['chunks']} chunks x {results['chunk_tokens']} "
-             f"tokens of {results['document']}, {results['delay_ms']:g} ms per round trip", "",
-             "| workload | output tokens | baseline s (runs) | program s (runs) | speedup (medians) "
+             f"tokens of {results['document']}, {results['delay_ms']:g} ms per round trip"
+             + (f"; coder-reviewer: {results['rounds']} rounds over its first {results['shared_prefix_tokens']} tokens"
+                if any(r["workload"] == "coder-reviewer" for r in results["runs"]) else ""), "",
+             "| workload | calls | output tokens | baseline s (runs) | program s (runs) | speedup (medians) "
              "| not forward s, baseline / program | speedup at equal forward time (derived) |",
-             "|---|---:|---|---|---:|---|---:|"]
+             "|---|---:|---:|---|---|---:|---|---:|"]
     fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
     for r in results["runs"]:
         if r["workload"] != "shared-prefix":
-            lines.append(f"| {r['workload']} | {r['output_tokens']} | {fmt(r['baseline_s'])} "
+            lines.append(f"| {r['workload']} | {r.get('calls', '-')} | {r['output_tokens']} | {fmt(r['baseline_s'])} "
                          f"| {fmt(r['program_s'])} | **{r['speedup']:.2f}x** "
                          f"| {r['baseline_rest_s']:.2f} / {r['program_rest_s']:.2f} "
                          f"| {r['speedup_same_forward']:.2f}x |")
@@ -199,7 +229,8 @@ def render(results: dict[str, Any]) -> str:
 
 BENCHMARK = Benchmark(
     name="programs",
-    help="Parrot-style programs vs request-centric clients: chain and map-reduce summaries, shared prefixes",
+    help="Parrot-style programs vs request-centric clients: chain and map-reduce summaries, a coder/reviewer "
+         "loop, shared prefixes",
     add_arguments=add_arguments,
     run=run,
     description=__doc__,

@@ -28,9 +28,9 @@ so it is also never the preemption victim. The count starts at arrival, not at f
 
 Options (`scheduler.policy_options`):
   starvation_threshold  steps (default 100; 0 disables)
-  score_refresh_steps   recompute cached scores every N steps (default 1: every step; the paper
-                        uses 10 where ranking cost matters); arrivals, interceptions, resumptions
-                        and changed predictions always re-score
+  score_refresh_steps   recompute cached scores every N steps (default 1: every step, as the paper
+                        on all but ToolBench, where it uses 10); arrivals, interceptions,
+                        resumptions and changed predictions always re-score
   swap_waste            "chunked" (default) or "sync" (InferCept eq. 3)
   step_s, other_tokens, num_running   fix τ, C_other and the batch size instead of measuring them
   victim                "rank" (default, the paper's order): when memory runs out the largest
