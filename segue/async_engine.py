@@ -128,6 +128,11 @@ class AsyncLLMEngine:
         self._detached.discard(request_id)
         self._submit(lambda: self._deliver(self.engine.abort_request(request_id)))
 
+    def forget_program(self, program_id: str) -> None:
+        """A program or session ended. One engine keeps no placement for it (its KV goes with its
+        requests); the method exists so the server treats an EnginePool the same way."""
+        del program_id
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")

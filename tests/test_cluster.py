@@ -156,6 +156,17 @@ def test_session_stays_on_its_replica(pool: EnginePool) -> None:
     assert_idle(pool)
 
 
+def test_closed_program_is_unbound(pool: EnginePool) -> None:
+    """Closing a session or deleting a program unbinds it: its replica is not chosen for it any more."""
+    home, _ = asyncio.run(run_one(pool, "Turn one of a closing session.", "c-1", program_id="sess-C"))
+    pool.forget_program("sess-C")
+    pool.router.report_load(home, LoadReport(running=20))
+    owner, _ = asyncio.run(run_one(pool, "A new conversation under the old id.", "c-2", program_id="sess-C"))
+    assert owner != home
+    pool.router.report_load(home, LoadReport(running=0))
+    assert_idle(pool)
+
+
 def test_prefix_sharing_pair_lands_together(pool: EnginePool) -> None:
     first, a = asyncio.run(run_one(pool, SYSTEM + "Alpha?", "p-a"))
     pool.router.report_load(first, LoadReport(running=2))  # busier, but within the router's slack

@@ -106,8 +106,9 @@ def held(rid: str) -> HeldRequest:
 
 def test_session_store() -> None:
     aborted: list[str] = []
+    forgotten: list[str] = []
     clock = Clock()
-    store = SessionStore(aborted.append, ttl_s=10, max_sessions=2, clock=clock)
+    store = SessionStore(aborted.append, ttl_s=10, max_sessions=2, clock=clock, forget_program=forgotten.append)
     s = store.create("tenant-a")
     store.hold(s, held("r1"))
     store.checkin(s)
@@ -124,6 +125,7 @@ def test_session_store() -> None:
     store.hold(s, held("r3"))
     store.checkin(s)
     assert aborted == ["r2", "r1", "r3"] and len(store) == 0
+    assert s.session_id in forgotten  # unbound from its engine replica
 
     idle, busy = store.create(None), store.create(None)
     store.hold(idle, held("r4"))
@@ -134,6 +136,7 @@ def test_session_store() -> None:
     clock.now = 11.0
     store.check_capacity()  # makes room by expiring the idle one; the busy one is kept
     assert aborted[-1] == "r4" and len(store) == 1 and store.counts() == {"held": 0, "idle": 1}
+    assert forgotten[-1] == idle.session_id
     store.checkin(busy)
     store.close_all()
     assert len(store) == 0

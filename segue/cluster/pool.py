@@ -93,6 +93,10 @@ class EnginePool:
             self._detached.add(request_id)
             self.replicas[index].detach(request_id)
 
+    def forget_program(self, program_id: str) -> None:
+        """A program or session ended: unbind it so the router stops steering to its replica."""
+        self.router.forget_program(program_id)
+
     def abort(self, request_id: str) -> None:
         index = self._owners.get(request_id)
         if index is None:

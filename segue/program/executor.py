@@ -74,8 +74,11 @@ class ProgramExecutor:
         return self.registry.create(owner, hints)
 
     def delete_program(self, owner: str | None, program_id: str) -> Program:
-        """Cancel the program's calls (aborting their engine requests) and forget its variables."""
-        return self.registry.delete(owner, program_id)
+        """Cancel the program's calls (aborting their engine requests), forget its variables and
+        its replica binding."""
+        program = self.registry.delete(owner, program_id)
+        self.engine.forget_program(program.id)
+        return program
 
     def create_variable(self, owner: str | None, program_id: str, name: str,
                         value: str | None = None) -> SemanticVariable:

@@ -41,7 +41,8 @@ class ServingContext:
         for spec in self.tools.specs():
             llm.tool_stats.set_hint(spec.name, spec.expected_seconds)
         self.renderer = ChatRenderer(llm.apply_chat_template, llm.chat_template)
-        self.sessions = SessionStore(self.engine.abort, self.config.session_ttl_s, self.config.max_sessions)
+        self.sessions = SessionStore(self.engine.abort, self.config.session_ttl_s, self.config.max_sessions,
+                                     forget_program=self.engine.forget_program)
         self.limiter = ConcurrencyLimiter(self.config.max_concurrent_requests)
         self.metrics = ServerMetrics(self)
         # Per-tenant prefix-cache salts need the engine's per-request hook (see README); until it

@@ -73,8 +73,12 @@ class Session:
 
 class SessionStore:
     def __init__(self, abort: Callable[[str], None], ttl_s: float, max_sessions: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 forget_program: Callable[[str], None] | None = None) -> None:
         self._abort = abort
+        # Sessions are programs by default (their id is the program id): closing one unbinds it
+        # from its engine replica.
+        self._forget_program = forget_program
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
         self.clock = clock
@@ -146,6 +150,8 @@ class SessionStore:
 
     def _release(self, session: Session) -> None:
         self._sessions.pop(session.session_id, None)
+        if self._forget_program is not None:
+            self._forget_program(session.session_id)
         held = self.take_held(session)
         if held is not None:
             self._abort(held.request_id)
