@@ -309,3 +309,18 @@ def test_random_mlfq_runs_keep_kv_correct(seed, num_blocks, host_blocks, interce
         assert r.status == RequestStatus.FINISHED_LENGTH
         assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling_params.max_tokens,
                                                      plans[r.request_id])
+
+
+@pytest.mark.parametrize("share, expect", [(0.5, {"n": 14, "x": 1, "y": 1}), (0.0, {"n": 16})])
+def test_prefill_chunk_leaves_room_for_resident_decodes(share: float, expect: dict[str, int]) -> None:
+    """A top-queue prompt's chunk is trimmed so demoted requests that hold KV still decode (one
+    token each); with decode_share 0 every token goes by strict priority."""
+    sched, policy = make(budget=16, decode_share=share, starvation_limit_s=10.0)
+    x, y = req("x", 4, 8), req("y", 4, 8)
+    for r in (x, y):
+        sched.add_request(r)
+    _, now = step(sched, 0.0)
+    policy.entries["x"].level = policy.entries["y"].level = 5
+    sched.add_request(req("n", 40, 2, now, first_token=20))
+    out, now = step(sched, now)
+    assert {s.request.request_id: s.num_tokens for s in out.seqs} == expect

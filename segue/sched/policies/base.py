@@ -34,6 +34,10 @@ class SchedulingPolicy(ABC):
     # and waits, and under memory pressure lower-priority holders give up their KV in
     # `preemption_order`. False: running requests keep their place until memory runs out (vLLM).
     preemptive: ClassVar[bool] = False
+    # Preemptive policies: the largest share of a step's token budget kept for the decodes of
+    # requests that hold their KV (one token each, no new memory) when a higher-priority prefill
+    # chunk would take the whole step. 0: strict priority order for every token.
+    decode_share: float = 0.5
 
     def __init__(self, context: PolicyContext | None = None) -> None:
         self.context = context or PolicyContext()

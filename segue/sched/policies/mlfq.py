@@ -17,6 +17,9 @@ Options (`scheduler.policy_options`):
   reserve_window_s     device KV kept free for arrivals: the prompt tokens that arrived in the last
                        this-many seconds (default 1.0; 0 disables the reserve)
   max_reserve_fraction cap on that reserve as a fraction of the device pool (default 0.25)
+  decode_share         share of a step's token budget a higher-priority prefill chunk leaves to
+                       the decodes of requests holding KV (default 0.5; 0: strict priority, the
+                       best TTFT but demoted decodes idle while prompts are prefilled)
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ class MLFQOptions:
     skip_join: bool = True
     reserve_window_s: float = 1.0
     max_reserve_fraction: float = 0.25
+    decode_share: float = 0.5
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> "MLFQOptions":
@@ -54,6 +58,8 @@ class MLFQOptions:
             raise ValueError("mlfq starvation_limit_s must be positive and reserve_window_s >= 0")
         if not 0 <= opts.max_reserve_fraction < 1:
             raise ValueError("mlfq max_reserve_fraction must be in [0, 1)")
+        if not 0 <= opts.decode_share <= 1:
+            raise ValueError("mlfq decode_share must be in [0, 1]")
         return opts
 
 
@@ -76,6 +82,7 @@ class MLFQPolicy(SchedulingPolicy):
     def __init__(self, context: PolicyContext | None = None) -> None:
         super().__init__(context)
         self.options = MLFQOptions.from_dict(dict(self.context.options))
+        self.decode_share = self.options.decode_share
         base = self.options.base_quantum_s or self.context.cost.t_fwd(1)
         self.quanta = [base * 2**k for k in range(self.options.num_queues)]
         self.entries: dict[str, QueueEntry] = {}
