@@ -23,6 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    g.add_argument("--watermark", type=float, default=SchedulerConfig.watermark,
+                   help="fraction of the KV pool kept free when admitting new requests (default: 0)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--policy", default=SchedulerConfig.policy, help="scheduling policy name")
     g.add_argument("--interception-policy", default=SchedulerConfig.interception_policy,
@@ -40,6 +42,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                                  watermark=args.watermark,
                                   policy=args.policy, interception_policy=args.interception_policy,
                                   profile_path=args.profile_path),
         num_threads=args.threads,

@@ -40,6 +40,11 @@ class SchedulerConfig:
     # throughput benchmark) at the cost of longer steps while prompts are being prefilled.
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    # Fraction of the device KV pool that admitting a request without KV may not dip into while
+    # others run (vLLM v0's watermark), so running requests can grow without preempting each
+    # other. 0 fills the pool (vLLM v1). Policies that rank long contexts last (lamps) preempt
+    # exactly those when it is 0: measured in BENCHMARKS.md.
+    watermark: float = 0.0
     policy: str = "fcfs"
     # Per-policy knobs (e.g. {"starvation_threshold": 100}); each policy documents its own.
     policy_options: dict[str, Any] = field(default_factory=dict)
@@ -57,6 +62,8 @@ class SchedulerConfig:
             raise ConfigError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs must be >= 1")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError("watermark must be in [0, 1)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
 

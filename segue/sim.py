@@ -90,6 +90,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default: the preset's saturation point)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (default: 256, as vLLM)")
+    g.add_argument("--watermark", type=float, default=0.0,
+                   help="fraction of the KV pool kept free when admitting new requests (default: 0)")
     g.add_argument("--max-model-len", type=int, default=4096,
                    help="context cap; 4096 keeps the trace's few 2048-2051-token requests (default: 4096)")
     g.add_argument("--policy", default="fcfs", help="ordering policy: fcfs, mlfq, ... (default: fcfs)")
@@ -189,6 +191,7 @@ def run_sim(args: argparse.Namespace) -> int:
                 cache=CacheConfig(block_size=bs, kv_cache_tokens=kv_tokens, swap_space_tokens=swap_tokens,
                                   enable_prefix_caching=not args.no_prefix_caching),
                 scheduler=SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=args.max_num_seqs,
+                                          watermark=args.watermark,
                                           policy=args.policy, policy_options=dict(args.policy_option),
                                           interception_policy=name))
             engine = make_sim_engine(cost, kv_tokens, config, max_model_len=args.max_model_len)
@@ -210,7 +213,7 @@ def run_sim(args: argparse.Namespace) -> int:
             "command": shlex.join([os.path.basename(sys.argv[0]) or "segue", *sys.argv[1:]]),
             "preset": args.preset, "cost_model": cost.__dict__, "kv_cache_tokens": kv_tokens,
             "swap_space_tokens": swap_tokens, "max_num_batched_tokens": batched,
-            "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len, "policy": args.policy,
+            "max_num_seqs": args.max_num_seqs, "watermark": args.watermark, "max_model_len": args.max_model_len, "policy": args.policy,
             "policy_options": dict(args.policy_option),
             "dropped_requests": dropped, "latency_slo": args.latency_slo, "sim_seconds": sim_s,
             "wall_seconds": wall_s, "rows": rows,

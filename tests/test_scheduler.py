@@ -15,9 +15,9 @@ from segue.sched.scheduler import Scheduler
 VOCAB = 50
 
 
-def make_scheduler(num_blocks=32, block_size=4, budget=32, max_seqs=8, caching=True):
+def make_scheduler(num_blocks=32, block_size=4, budget=32, max_seqs=8, caching=True, watermark=0.0):
     kv = KVCacheManager(block_size, num_blocks, enable_prefix_caching=caching)
-    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, watermark=watermark)
     return Scheduler(cfg, kv, make_policy("fcfs"), max_model_len=num_blocks * block_size)
 
 
@@ -133,3 +133,19 @@ def test_cache_salt_isolates_prefix_cache_between_tenants():
     sched.add_request(same)
     run_step(sched, 1.0)
     assert other.num_cached_tokens == 0 and same.num_cached_tokens == 8
+
+
+def test_watermark_keeps_headroom_for_running_requests():
+    """With a watermark, a new request is admitted only if the running ones keep that many free
+    blocks to grow into; alone, it is admitted whatever the watermark (it could never run otherwise)."""
+    for watermark, admitted in ((0.0, True), (0.25, False)):
+        sched = make_scheduler(num_blocks=16, budget=64, watermark=watermark)
+        sched.add_request(Request("x", list(range(1, 25)), SamplingParams(max_tokens=20), 0.0))
+        run_step(sched, 0.0)  # x holds 6 blocks (24 tokens + the next)
+        sched.add_request(Request("y", list(range(2, 30)), SamplingParams(max_tokens=4), 0.0))
+        run_step(sched, 1.0)  # x grows to 7 blocks; y needs 7 of the 9 free: 2 left, under a 4-block mark
+        assert (sched.requests["y"].status == RequestStatus.RUNNING) is admitted
+    alone = make_scheduler(num_blocks=16, budget=64, watermark=0.5)
+    alone.add_request(Request("z", list(range(1, 50)), SamplingParams(max_tokens=4), 0.0))
+    run_step(alone, 0.0)
+    assert alone.requests["z"].status == RequestStatus.RUNNING

@@ -124,7 +124,7 @@ class Runner:
         kv = a.sim_kv_cache_tokens or default_kv_cache_tokens(a.preset, cost.kv_bytes_per_token, a.block_size) \
             or a.kv_cache_tokens
         sched = SchedulerConfig(max_num_batched_tokens=a.sim_max_num_batched_tokens or cost.saturation_tokens,
-                                max_num_seqs=a.sim_max_num_seqs, policy=cfg.policy or a.policy,
+                                max_num_seqs=a.sim_max_num_seqs, watermark=a.watermark, policy=cfg.policy or a.policy,
                                 policy_options=dict(cfg.policy_options),
                                 interception_policy=cfg.interception or a.interception_policy)
         config = EngineConfig(cache=CacheConfig(block_size=a.block_size, swap_space_tokens=a.swap_space_tokens,

@@ -46,6 +46,19 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
     if preemptive:
         decode_room = min(int(budget * sched.policy.decode_share),
                           sum(1 for r in sched.waiting if _is_resident_decode(sched, r)))
+    mark = int(sched.config.watermark * sched.kv.device.num_blocks)
+
+    def headroom(req: Request) -> int:
+        """Blocks a request without KV must leave free when others run: admitting requests until
+        the pool is exactly full makes the next step's decodes preempt (and recompute) someone."""
+        return mark if (scheduled or sched.running) and not sched.kv.num_device_blocks_of(req.request_id) else 0
+
+    def allocate(req: Request, num_new: int, hits: list[KVBlock]) -> bool:
+        # num_new excludes the cached hits, so this counts the fresh blocks only.
+        if sched.kv.num_blocks_needed(req, num_new) + headroom(req) > sched.kv.num_free_blocks:
+            return False
+        return sched.kv.allocate_slots(req, num_new, hits)
+
     for req in list(sched.waiting):
         if budget <= 0 or len(sched.running) >= sched.config.max_num_seqs:
             break
@@ -62,10 +75,10 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
             if budget <= decode_room:
                 continue  # no room for another chunk in this step
             num_new = min(num_new, budget - decode_room)
-        if not sched.kv.allocate_slots(req, num_new, hits):
+        if not allocate(req, num_new, hits):
             if blocked is not None:
                 continue
-            need = sched.kv.num_blocks_needed(req, num_new) - len(hits)
+            need = sched.kv.num_blocks_needed(req, num_new) + headroom(req)
             freed = sched.paused.release_for_memory(need)
             blocked = _Blocked(req, num_new, hits, need)
             if preemptive and sched.kv.num_free_blocks < need:
@@ -73,10 +86,9 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
             if blocked.swapping:
                 continue  # swap-outs free the memory by the next step
             if preemptive:
-                if not (freed and sched.kv.allocate_slots(req, num_new, hits)):
+                if not (freed and allocate(req, num_new, hits)):
                     continue
-            elif not ((freed or sched._release_waiting_kv(req, need))
-                      and sched.kv.allocate_slots(req, num_new, hits)):
+            elif not ((freed or sched._release_waiting_kv(req, need)) and allocate(req, num_new, hits)):
                 break
             blocked = None
         _admit(sched, req, num_new, num_hit, scheduled)
