@@ -42,8 +42,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     # Fraction of the device KV pool that admitting a request without KV may not dip into while
     # others run (vLLM v0's watermark), so running requests can grow without preempting each
-    # other. 0 fills the pool (vLLM v1). Policies that rank long contexts last (lamps) preempt
-    # exactly those when it is 0: measured in BENCHMARKS.md.
+    # other. 0 fills the pool (vLLM v1). On the simulated InferCept trace 0.05 removes nearly
+    # all preemptions but raises latency (requests wait longer to start; BENCHMARKS.md).
     watermark: float = 0.0
     policy: str = "fcfs"
     # Per-policy knobs (e.g. {"starvation_threshold": 100}); each policy documents its own.

@@ -78,7 +78,9 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
         if not allocate(req, num_new, hits):
             if blocked is not None:
                 continue
-            need = sched.kv.num_blocks_needed(req, num_new) + headroom(req)
+            # What to free for it: its blocks less its cached hits. Not the watermark: discarding
+            # paused contexts to keep headroom defeats the headroom (measured: more recompute).
+            need = sched.kv.num_blocks_needed(req, num_new) - len(hits)
             freed = sched.paused.release_for_memory(need)
             blocked = _Blocked(req, num_new, hits, need)
             if preemptive and sched.kv.num_free_blocks < need:
