@@ -104,6 +104,10 @@ class PredictorConfig:
     # trace replay max_tokens is the script's exact total, so the cap leaks the truth into the last
     # segment's prediction (InferCept trace, 300 requests: MAE 33 capped vs 36 uncapped).
     clip_to_max_tokens: bool = True
+    # Trace replay only (benchmarks, simulator): predictions are the script's true segment length
+    # and pause duration, plus `noise_sigma` noise (LAMPS §6.4's oracle and sensitivity runs).
+    # The online predictors still learn and report their own accuracy beside it.
+    oracle: bool = False
 
     def validate(self) -> None:
         if self.feature_source not in ("hidden", "prompt"):

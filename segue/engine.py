@@ -159,6 +159,7 @@ class LLMEngine:
         self._states[rid] = state
         # Predict before the scheduler's policy sees the request: its arrival hook may read them.
         self.predictors.on_arrival(state.request, state.expected_tool_s)
+        self._apply_oracle(state.request)
         self.scheduler.add_request(state.request)
         return state.request
 
@@ -176,12 +177,25 @@ class LLMEngine:
             self.trace.add(state.request.request_id, script)
         return self.add_prepared(state)
 
+    def _apply_oracle(self, req: Request) -> None:
+        """PredictorConfig.oracle: a scripted request's predictions are its script's truth (with
+        the configured noise); a final segment has no pause, predicted as 0 s."""
+        if not self.config.predictor.oracle:
+            return
+        seg = self.trace.current_segment(req.request_id)
+        if seg is None:
+            return
+        noise = self.predictors.noise
+        req.predicted_output_tokens = max(1.0, noise.apply(float(seg.generate_tokens)))
+        req.predicted_interception_s = max(0.0, noise.apply(seg.interception_s or 0.0))
+
     # ---- interceptions -------------------------------------------------------------------
     def intercept(self, request_id: str, tool: str | None = None, expected_s: float | None = None) -> None:
         """Pause a request that just produced a token (a tool call, a human turn). Its KV then
         follows the interception policy until resume()."""
         req = self._states[request_id].request
         self.predictors.on_intercept(req, tool, expected_s)
+        self._apply_oracle(req)
         if expected_s is None and tool is not None:
             expected_s = self.tool_stats.expected(tool)
         self.scheduler.intercept_request(req, self.clock(), tool, expected_s)
@@ -206,6 +220,7 @@ class LLMEngine:
             self.tool_stats.observe(req.interception.tool, self.clock() - req.interception.t_call)
         state.text_before += state.detokenizer.flush()
         self.predictors.on_resume(req, len(tokens), self.clock())
+        self._apply_oracle(req)
         self.scheduler.resume_request(req, list(tokens), self.clock())
         state.detokenizer = IncrementalDetokenizer(self.tokenizer, req.all_token_ids, req.sampling_params)
 

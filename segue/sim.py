@@ -92,6 +92,10 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (default: 256, as vLLM)")
     g.add_argument("--watermark", type=float, default=0.0,
                    help="fraction of the KV pool kept free when admitting new requests (default: 0)")
+    g.add_argument("--oracle-predictions", action="store_true",
+                   help="policies see each request's true segment lengths and pause durations")
+    g.add_argument("--prediction-noise", type=float, default=0.0, metavar="SIGMA",
+                   help="relative Gaussian noise on every prediction (LAMPS §6.4; default: 0)")
     g.add_argument("--max-model-len", type=int, default=4096,
                    help="context cap; 4096 keeps the trace's few 2048-2051-token requests (default: 4096)")
     g.add_argument("--policy", default="fcfs", help="ordering policy: fcfs, mlfq, ... (default: fcfs)")
@@ -160,7 +164,7 @@ def plot_latency_vs_rate(rows: list[dict[str, Any]], path: str, title: str) -> N
 
 def run_sim(args: argparse.Namespace) -> int:
     from segue.bench.replay import render_markdown, replay
-    from segue.config import CacheConfig, EngineConfig, SchedulerConfig
+    from segue.config import CacheConfig, EngineConfig, PredictorConfig, SchedulerConfig
     from segue.executor.sim_executor import make_sim_engine
     from segue.sched.cost_model import PRESETS, CostModel
 
@@ -193,7 +197,8 @@ def run_sim(args: argparse.Namespace) -> int:
                 scheduler=SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=args.max_num_seqs,
                                           watermark=args.watermark,
                                           policy=args.policy, policy_options=dict(args.policy_option),
-                                          interception_policy=name))
+                                          interception_policy=name),
+                predictor=PredictorConfig(oracle=args.oracle_predictions, noise_sigma=args.prediction_noise))
             engine = make_sim_engine(cost, kv_tokens, config, max_model_len=args.max_model_len)
             res = replay(engine, reqs, arrivals, engine.clock.advance_to, seed=args.seed, progress=progress,
                          desc=f"{name} @ {rate:g} req/s")
@@ -214,7 +219,8 @@ def run_sim(args: argparse.Namespace) -> int:
             "preset": args.preset, "cost_model": cost.__dict__, "kv_cache_tokens": kv_tokens,
             "swap_space_tokens": swap_tokens, "max_num_batched_tokens": batched,
             "max_num_seqs": args.max_num_seqs, "watermark": args.watermark, "max_model_len": args.max_model_len, "policy": args.policy,
-            "policy_options": dict(args.policy_option),
+            "policy_options": dict(args.policy_option), "oracle_predictions": args.oracle_predictions,
+            "prediction_noise": args.prediction_noise,
             "dropped_requests": dropped, "latency_slo": args.latency_slo, "sim_seconds": sim_s,
             "wall_seconds": wall_s, "rows": rows,
         }

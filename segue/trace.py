@@ -51,6 +51,11 @@ class TraceReplayer:
             return None
         return seg
 
+    def current_segment(self, request_id: str) -> TraceSegment | None:
+        """The segment a scripted request is generating (or paused at the end of)."""
+        script = self._scripts.get(request_id)
+        return script.segments[script.index] if script is not None else None
+
     def schedule_resume(self, request_id: str, at: float) -> None:
         self._counter += 1
         heapq.heappush(self._due, (at, self._counter, request_id))

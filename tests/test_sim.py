@@ -180,3 +180,27 @@ def test_swap_policy_does_not_deadlock_under_pressure(trace):
     engine = _engine("swap", kv_tokens=8192)
     res = replay(engine, reqs, arrivals, engine.clock.advance_to)
     assert not res.stalled and res.num_finished == 120
+
+
+def test_oracle_predictions_are_the_scripts_truth():
+    """PredictorConfig.oracle: at arrival, at the pause and after resuming, a scripted request's
+    predictions are its current segment's length and pause (0 s for the last segment)."""
+    from segue.config import PredictorConfig
+    from segue.trace import TraceSegment
+
+    config = EngineConfig(cache=CacheConfig(block_size=16, kv_cache_tokens=4096),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=384),
+                          predictor=PredictorConfig(oracle=True))
+    engine = make_sim_engine(GPTJ, 4096, config, max_model_len=2048)
+    script = [TraceSegment(5, 2.0, [7, 7, 7]), TraceSegment(9)]
+    req = engine.add_request("o", [1] * 20, SamplingParams(), script=script)
+    assert (req.predicted_output_tokens, req.predicted_interception_s) == (5, 2.0)
+    seen = []
+    for _ in range(1000):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        seen.append((req.predicted_output_tokens, req.predicted_interception_s))
+        if engine.scheduler.last_batch_tokens == 0 and engine.next_timer() is not None:
+            engine.clock.advance_to(engine.next_timer())  # only the pause is left: skip to its end
+    assert seen[-1] == (9, 0.0) and (5, 2.0) in seen

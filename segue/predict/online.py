@@ -71,8 +71,8 @@ class OnlinePredictors:
         self.noise = GaussianNoise(config.noise_sigma, config.seed)
         self.accuracy = {name: AccuracyTracker(name) for name in (OUTPUT_PROMPT, OUTPUT_HIDDEN, TOOL_DURATION)}
         # Asking for no request probes whether the executor can return hidden states at all.
-        self.use_hidden = (self.enabled and config.feature_source == "hidden" and executor is not None
-                           and bool(executor.want_hidden_states(())))
+        self.use_hidden = (self.enabled and not config.oracle and config.feature_source == "hidden"
+                           and executor is not None and bool(executor.want_hidden_states(())))
         self._tracks: dict[str, _Track] = {}
 
     # ---- lifecycle hooks (the engine calls these) -----------------------------------------
