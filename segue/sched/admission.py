@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Blocked:
-    """The first request that could not get memory: it keeps its claim on what frees up."""
+    """The first request that could not get memory this step, and what it needed (behind it only
+    requests that already hold KV run; if nothing runs at all, it takes memory by a discard)."""
     request: Request
     num_new: int
     hits: list[KVBlock] = field(default_factory=list)
