@@ -178,16 +178,8 @@ class LLMEngine:
         return self.add_prepared(state)
 
     def _apply_oracle(self, req: Request) -> None:
-        """PredictorConfig.oracle: a scripted request's predictions are its script's truth (with
-        the configured noise); a final segment has no pause, predicted as 0 s."""
-        if not self.config.predictor.oracle:
-            return
-        seg = self.trace.current_segment(req.request_id)
-        if seg is None:
-            return
-        noise = self.predictors.noise
-        req.predicted_output_tokens = max(1.0, noise.apply(float(seg.generate_tokens)))
-        req.predicted_interception_s = max(0.0, noise.apply(seg.interception_s or 0.0))
+        if self.config.predictor.oracle:
+            self.trace.predict_truth(req, self.predictors.noise.apply)
 
     # ---- interceptions -------------------------------------------------------------------
     def intercept(self, request_id: str, tool: str | None = None, expected_s: float | None = None) -> None:

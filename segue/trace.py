@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from segue.request import Request
 
 
 @dataclass
@@ -55,6 +59,14 @@ class TraceReplayer:
         """The segment a scripted request is generating (or paused at the end of)."""
         script = self._scripts.get(request_id)
         return script.segments[script.index] if script is not None else None
+
+    def predict_truth(self, request: Request, noise: Callable[[float], float]) -> None:
+        """Oracle predictions (PredictorConfig.oracle): the current segment's length and pause,
+        through `noise`; a final segment has no pause, predicted as 0 s."""
+        seg = self.current_segment(request.request_id)
+        if seg is not None:
+            request.predicted_output_tokens = max(1.0, noise(float(seg.generate_tokens)))
+            request.predicted_interception_s = max(0.0, noise(seg.interception_s or 0.0))
 
     def schedule_resume(self, request_id: str, at: float) -> None:
         self._counter += 1
