@@ -47,13 +47,7 @@ def make_room(sched: Scheduler, head: Request, need: int, out: SchedulerOutput) 
             chosen.append(victim)
             room += blocks
     if not chosen:
-        # No whole victim fits this step's copy budget: take the first one that fits the host
-        # anyway (one stalled step), else a pool of large contexts could never be relieved.
-        fits = [v for v in sched.policy.preemption_order(holders, sched.now)
-                if sched.kv.num_device_blocks_of(v.request_id) <= host.num_free_blocks]
-        if not fits:
-            return Room.NONE
-        chosen = fits[:1]
+        return Room.NONE
     for victim in chosen:
         swap_out(sched, victim, sched.kv.num_device_blocks_of(victim.request_id), out)
     sched.earmarked_blocks += need
