@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Any
 
+from segue.config import SchedulerConfig
 from segue.sched.interception import INTERCEPTION_POLICIES
 
 ALL_INTERCEPTION = "discard,improved-discard,preserve,swap,ttl,min-waste"
@@ -90,7 +91,7 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default: the preset's saturation point)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (default: 256, as vLLM)")
-    g.add_argument("--watermark", type=float, default=0.0,
+    g.add_argument("--watermark", type=float, default=SchedulerConfig.watermark,
                    help="fraction of the KV pool kept free when admitting new requests (default: 0)")
     g.add_argument("--oracle-predictions", action="store_true",
                    help="policies see each request's true segment lengths and pause durations")
@@ -218,7 +219,8 @@ def run_sim(args: argparse.Namespace) -> int:
             "command": shlex.join([os.path.basename(sys.argv[0]) or "segue", *sys.argv[1:]]),
             "preset": args.preset, "cost_model": cost.__dict__, "kv_cache_tokens": kv_tokens,
             "swap_space_tokens": swap_tokens, "max_num_batched_tokens": batched,
-            "max_num_seqs": args.max_num_seqs, "watermark": args.watermark, "max_model_len": args.max_model_len, "policy": args.policy,
+            "max_num_seqs": args.max_num_seqs, "watermark": args.watermark, "max_model_len": args.max_model_len,
+            "policy": args.policy,
             "policy_options": dict(args.policy_option), "oracle_predictions": args.oracle_predictions,
             "prediction_noise": args.prediction_noise,
             "dropped_requests": dropped, "latency_slo": args.latency_slo, "sim_seconds": sim_s,

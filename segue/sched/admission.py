@@ -55,8 +55,10 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
         return mark if (scheduled or sched.running) and not sched.kv.num_device_blocks_of(req.request_id) else 0
 
     def allocate(req: Request, num_new: int, hits: list[KVBlock]) -> bool:
-        # num_new excludes the cached hits, so this counts the fresh blocks only.
-        if sched.kv.num_blocks_needed(req, num_new) + headroom(req) > sched.kv.num_free_blocks:
+        # num_new excludes the cached hits, so this counts the fresh blocks only; without a
+        # headroom, allocate_slots's own check is the whole test.
+        room = headroom(req)
+        if room and sched.kv.num_blocks_needed(req, num_new) + room > sched.kv.num_free_blocks:
             return False
         return sched.kv.allocate_slots(req, num_new, hits)
 
@@ -91,7 +93,7 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
             if preemptive:
                 if not (freed and allocate(req, num_new, hits)):
                     continue
-            elif not ((freed or sched._release_waiting_kv(req, need)) and allocate(req, num_new, hits)):
+            elif not ((freed or release_waiting_kv(sched, req, need)) and allocate(req, num_new, hits)):
                 break
             blocked = None
         _admit(sched, req, num_new, num_hit, scheduled)
@@ -101,12 +103,38 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
     if preemptive and blocked is not None and not blocked.swapping and not scheduled:
         # Nothing ran: without a discard, nothing would ever free memory.
         b = blocked
-        if sched._release_waiting_kv(b.request, b.need) and sched.kv.allocate_slots(b.request, b.num_new, b.hits):
+        if release_waiting_kv(sched, b.request, b.need) and allocate(b.request, b.num_new, b.hits):
             _admit(sched, b.request, b.num_new, len(b.hits) * sched.kv.block_size, scheduled)
             budget -= b.num_new
     admitted = {id(r) for r, _ in scheduled}
     sched.waiting = [r for r in sched.waiting if id(r) not in admitted]
     return budget
+
+
+def release_waiting_kv(sched: Scheduler, head: Request, need_blocks: int) -> bool:
+    """When nothing runs, nothing will ever free memory: requests that wait while holding KV
+    (resumed preserved or swapped-in contexts) could block the head of the queue forever.
+    Drop the KV of the lowest-priority holders (they recompute later). True if any freed."""
+    if sched.running:
+        return False
+    freed = False
+    # Partly swapped-in requests first (their host prefix is kept; the device part will be
+    # recomputed after it), then waiting holders from the back of the queue.
+    holders = list(sched.paused.swapped) + list(reversed(sched.waiting))
+    for req in holders:
+        if req is head or not sched.kv.num_device_blocks_of(req.request_id):
+            continue
+        if req.status == RequestStatus.SWAPPED:
+            sched.kv.discard_device_blocks(req)
+        else:
+            sched.kv.free(req)
+            req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        sched.num_preemptions_total += 1
+        freed = True
+        if sched.kv.num_free_blocks >= need_blocks:
+            break
+    return freed
 
 
 def _admit(sched: Scheduler, req: Request, num_new: int, num_hit: int,

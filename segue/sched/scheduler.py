@@ -111,31 +111,6 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.append(request)
 
-    def _release_waiting_kv(self, head: Request, need_blocks: int) -> bool:
-        """When nothing runs, nothing will ever free memory: requests that wait while holding KV
-        (resumed preserved or swapped-in contexts) could block the head of the queue forever.
-        Drop the KV of the lowest-priority holders (they recompute later). True if any freed."""
-        if self.running:
-            return False
-        freed = False
-        # Partly swapped-in requests first (their host prefix is kept; the device part will be
-        # recomputed after it), then waiting holders from the back of the queue.
-        holders = list(self.paused.swapped) + list(reversed(self.waiting))
-        for req in holders:
-            if req is head or not self.kv.num_device_blocks_of(req.request_id):
-                continue
-            if req.status == RequestStatus.SWAPPED:
-                self.kv.discard_device_blocks(req)
-            else:
-                self.kv.free(req)
-                req.num_computed_tokens = 0
-            req.num_preemptions += 1
-            self.num_preemptions_total += 1
-            freed = True
-            if self.kv.num_free_blocks >= need_blocks:
-                break
-        return freed
-
     # ---- one step ------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         self.now = now

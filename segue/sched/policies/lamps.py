@@ -255,7 +255,8 @@ class LAMPSPolicy(SchedulingPolicy):
             obs.intercepted_segments += 1
 
     def preemption_order(self, requests: list[Request], now: float) -> list[Request]:
-        """Starving requests are never victims while others remain; then the cheapest to rebuild."""
+        """"rank": the largest key first (the base order). "cheapest": starving requests are never
+        victims while others remain; then the least computed context, the cheapest to rebuild."""
         if self.victim == "rank":
             return super().preemption_order(requests, now)
         def order(r: Request) -> tuple[bool, int]:
