@@ -102,8 +102,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
               f"| {(pred - ms) / ms:+.0%} |")
     per_kind = "; ".join(f"{k} {r['mean_rel_error']:+.1%} (worst {r['max_abs_rel_error']:.0%})"
                          for k, r in fit.residuals.items())
-    print(f"\nstep = {cost.fwd_ms_per_token:.4f} ms * tokens + {cost.fwd_base_ms:.1f} ms + "
-          f"{cost.fwd_ms_per_context_token:.5f} ms * context tokens (R^2 {fit.r2:.3f}; mean error by kind: {per_kind})"
+    curve = ", ".join(f"{t:g}: {ms:.1f}" for t, ms in cost.fwd_curve_ms or [])
+    line = report.line_fit
+    print(f"\nstep = f(tokens) + {cost.fwd_ms_per_context_token:.5f} ms * context tokens, f in ms at {{{curve}}} "
+          f"(R^2 {fit.r2:.3f}; mean |error| {fit.mean_abs_rel_error:.1%}; by kind: {per_kind})"
+          f"\na line instead: {line.ms_per_token:.4f} ms * tokens + {line.base_ms:.1f} ms + "
+          f"{line.ms_per_context_token:.5f} ms * context (mean |error| {line.mean_abs_rel_error:.1%})"
           f"\nsaturation point {cost.saturation_tokens} tokens; swap {cost.swap_bytes_per_s / 1e9:.2f} GB/s; "
           f"{cost.kv_bytes_per_token} KV bytes/token; measured in {report.seconds:.0f} s ({args.timer} time; "
           f"wall/CPU time {report.to_dict()['wall_over_cpu_median'] or 0:.2f}: >1 means other processes "
@@ -111,7 +115,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     d = report.per_seq_fit
     print(f"with a per-sequence term the fit would be {d.ms_per_token:.4f} ms * tokens + {d.base_ms:.1f} ms + "
           f"{d.ms_per_context_token:.5f} ms * context + {d.ms_per_seq:.2f} ms * seqs: mean |error| "
-          f"{d.mean_abs_rel_error:.1%} against {fit.mean_abs_rel_error:.1%} (the CostModel has no such term)")
+          f"{d.mean_abs_rel_error:.1%} (the CostModel has no such term)")
     for why in report.skipped:
         print(f"skipped {why}")
     return 0

@@ -84,6 +84,43 @@ def test_per_seq_fit_finds_a_per_sequence_cost() -> None:
     assert fit.mean_abs_rel_error < fit_steps(points).mean_abs_rel_error
 
 
+def _ramp_then_line(tokens: float) -> float:
+    """A CPU-like step: weight-bound up to 1 token, a steep ramp to 16, then linear compute."""
+    if tokens <= 1:
+        return 60.0
+    if tokens <= 16:
+        return 60.0 + (tokens - 1) * 5.0
+    return 135.0 + (tokens - 16) * 2.5
+
+
+def test_curve_fit_follows_a_shape_no_line_fits() -> None:
+    shapes = [("prefill", t, t, 1) for t in (16, 64, 256, 1024)]
+    shapes += [("decode", bb, bb * cc, bb) for bb, cc in itertools.product((1, 4, 16, 32), (128, 1024))]
+    points = [StepPoint(kind, t, ctx, seqs, _ramp_then_line(t) + 0.01 * ctx) for kind, t, ctx, seqs in shapes]
+    line, curve = fit_steps(points), fit_steps(points, curve=True)
+    assert curve.mean_abs_rel_error < 1e-6 < line.mean_abs_rel_error
+    assert curve.ms_per_context_token == pytest.approx(0.01, rel=1e-6)
+    assert [k for k, _ in curve.curve] == [1, 4, 16, 32, 64, 256, 1024]
+    for tokens in (1, 3, 10, 100, 2048):  # between knots, and past the last one with its slope
+        assert curve.predict_ms(tokens, 0) == pytest.approx(_ramp_then_line(tokens), rel=1e-6)
+    # The rises are non-negative coefficients, so the curve never goes down even with noise.
+    noisy = [StepPoint(p.kind, p.batched_tokens, p.context_tokens, p.num_seqs, p.step_ms * (1.3 if i % 2 else 0.8))
+             for i, p in enumerate(points)]
+    levels = [ms for _, ms in fit_steps(noisy, curve=True).curve]
+    assert levels == sorted(levels)
+
+
+def test_cost_model_charges_its_curve_and_round_trips(tmp_path) -> None:
+    cost = CostModel(fwd_ms_per_token=2.5, fwd_base_ms=60.0, fwd_curve_ms=[[1, 60.0], [16, 135.0], [1024, 2655.0]])
+    assert cost.t_fwd(0) == pytest.approx(0.060)
+    assert cost.t_fwd(4) == pytest.approx(0.075)
+    assert cost.t_fwd(2048) == pytest.approx(5.215)
+    assert cost.t_fwd_extra(100) == pytest.approx(0.25)  # the marginal cost stays the line's slope
+    cost.save(tmp_path / "c.json")
+    assert CostModel.load(tmp_path / "c.json") == cost
+    assert CostModel(fwd_ms_per_token=2.5, fwd_base_ms=60.0).t_fwd(4) == pytest.approx(0.070)
+
+
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
     from conftest import make_tiny_checkpoint
@@ -112,7 +149,8 @@ def test_tiny_profile_writes_a_loadable_profile(tiny_engine: LLMEngine, tmp_path
     path = tmp_path / "profile.json"
     profiler.save_profile(path, cost, report)
     data = json.loads(path.read_text())
-    assert {"fit", "per_seq_fit", "points", "wall_over_cpu_median", "fwd_ms_per_context_token"} <= set(data)
+    assert {"fit", "line_fit", "per_seq_fit", "points", "wall_over_cpu_median", "fwd_curve_ms"} <= set(data)
+    assert cost.fwd_curve_ms == report.fit.curve and len(cost.fwd_curve_ms) >= 2
     assert set(data["fit"]["residuals"]) == kinds
     assert len(data["points"]) == len(report.points)
     assert CostModel.load(path) == cost

@@ -158,10 +158,14 @@ def _num(v: float | None, fmt: str = "{:.4f}") -> str:
 
 def render(report: dict[str, Any], tolerance: float) -> str:
     c = report["cost_model"]
+    if c.get("fwd_curve_ms"):
+        own = "f(tokens), f in ms at {" + ", ".join(f"{t:g}: {ms:.1f}" for t, ms in c["fwd_curve_ms"]) + "},"
+    else:
+        own = f"{c['fwd_ms_per_token']:.4f} ms/token + {c['fwd_base_ms']:.1f} ms"
     lines = ["## segue bench fidelity — real engine vs simulator", "",
              f"{report['model']} on {report['device']}, {report['kv_cache_tokens']} KV tokens; workload: "
-             f"{report['workload']}. Cost model ({report['cost_source']}): T_fwd = {c['fwd_ms_per_token']:.4f} ms/token "
-             f"+ {c['fwd_base_ms']:.1f} ms + {c['fwd_ms_per_context_token']:.5f} ms/context token.", ""]
+             f"{report['workload']}. Cost model ({report['cost_source']}): T_fwd = {own} "
+             f"+ {c['fwd_ms_per_context_token']:.5f} ms/context token.", ""]
     for run in report["runs"]:
         real, sim, refit = run["real"], run["sim"], run["refit"]
         lines += [f"### {run['rate']:g} req/s", "",

@@ -5,8 +5,10 @@ the saturation point, and the host<->device swap bandwidth. The engine loads the
 Steps are measured through the real engine (scheduler, paged KV executor, sampling, outputs), as
 whole `engine.step()` calls, because that is what a step costs a served request and what the
 simulator charges per step. Three kinds are measured: prefills of several sizes, decode batches of
-B sequences at context C, and mixed steps (a prompt joining a running decode batch). The linear
-model step_ms = a·tokens + b + c·context is fitted to all of them jointly (segue/executor/step_fit).
+B sequences at context C, and mixed steps (a prompt joining a running decode batch). The model
+step_ms = f(tokens) + c·context, f piecewise linear over the measured token counts, is fitted to all
+of them jointly (segue/executor/step_fit); the straight line a·tokens + b is fitted beside it for
+the scheduler's marginal cost of a token.
 """
 from __future__ import annotations
 
@@ -64,8 +66,9 @@ def default_grid(engine: LLMEngine) -> ProfileGrid:
 @dataclass
 class ProfileReport:
     points: list[StepPoint]
-    fit: StepFit
-    per_seq_fit: StepFit  # the same fit with a per-sequence term: how much a CostModel without one misses
+    fit: StepFit          # the curve the CostModel charges
+    line_fit: StepFit     # a·tokens + b + c·context: its slope is the CostModel's marginal token cost
+    per_seq_fit: StepFit  # the line with a per-sequence term: how much a form without one misses
     seconds: float                                   # wall time of the measurements
     skipped: list[str] = field(default_factory=list)  # grid entries this engine cannot run, and why
     timer: str = "wall"                               # which step time the fit is of: wall or cpu
@@ -75,7 +78,7 @@ class ProfileReport:
         # (the fit is of wall time, so it carries that load in).
         timed = [p.step_ms / p.cpu_ms for p in self.points if p.cpu_ms > 0]
         load = statistics.median(timed) if timed else None
-        return {"fit": self.fit.to_dict(), "per_seq_fit": self.per_seq_fit.to_dict(),
+        return {"fit": self.fit.to_dict(), "line_fit": self.line_fit.to_dict(), "per_seq_fit": self.per_seq_fit.to_dict(),
                 "points": [asdict(p) for p in self.points], "wall_over_cpu_median": load,
                 "timer": self.timer, "profile_seconds": self.seconds, "skipped": self.skipped}
 
@@ -245,12 +248,12 @@ def profile(engine: LLMEngine, repeats: int | None = None, seed: int = 0, grid: 
     t0 = time.perf_counter()
     points, skipped = measure_steps(engine, grid, seed)
     timed = points if timer == "wall" else [replace(p, step_ms=p.cpu_ms) for p in points]
-    fit = fit_steps(timed)
-    report = ProfileReport(points, fit, fit_steps(timed, per_seq=True), time.perf_counter() - t0, skipped, timer)
+    fit, line = fit_steps(timed, curve=True), fit_steps(timed)
+    report = ProfileReport(points, fit, line, fit_steps(timed, per_seq=True), time.perf_counter() - t0, skipped, timer)
     for p in timed:
         logger.info("%s step: %d tokens, %d context, %d seqs: %.1f ms (fit %.1f)", p.kind, p.batched_tokens,
                     p.context_tokens, p.num_seqs, p.step_ms, fit.predict_ms(p.batched_tokens, p.context_tokens))
-    cost = CostModel(fwd_ms_per_token=max(fit.ms_per_token, 1e-6), fwd_base_ms=fit.base_ms,
+    cost = CostModel(fwd_ms_per_token=max(line.ms_per_token, 1e-6), fwd_base_ms=line.base_ms, fwd_curve_ms=fit.curve,
                      fwd_ms_per_context_token=fit.ms_per_context_token, saturation_tokens=_saturation(timed),
                      swap_bytes_per_s=_swap_bandwidth(engine), kv_bytes_per_token=engine.executor.kv_bytes_per_token,
                      device=engine.executor.device_name, source=f"profiled {time.strftime('%Y-%m-%d')} ({timer} time)")

@@ -1,5 +1,5 @@
-"""Fit the step-time model the simulator charges, step_ms = a·tokens + b + c·context_tokens, to
-measured steps, with every coefficient non-negative.
+"""Fit the step-time model the simulator charges, step_ms = a·tokens + b + c·context_tokens (or a
+curve f(tokens) in place of a·tokens + b, below), to measured steps, every coefficient non-negative.
 
 Why not `np.polyfit(tokens, ms)` over prefill steps: prefill time grows faster than linearly
 (attention is quadratic in the chunk), so a straight line through 1..1024-token prefills has a
@@ -11,17 +11,21 @@ The fit minimises squared *relative* error: step times span ~10 ms decodes to mu
 prefills, and a workload's timing is mostly many short decode steps, which an unweighted fit
 would sacrifice to the few long prefills.
 
-scipy is not a dependency, so NNLS is solved exactly by enumerating the support: with at most a
-handful of columns, the non-negative optimum is the best of the unconstrained least-squares fits
-on column subsets whose coefficients all come out non-negative (2^k small solves).
+On a CPU the line is not enough: a decode step of 4 sequences costs twice one of 1 (matrix-vector
+becomes matrix-matrix and the kernels ramp up to their speed), while prefill grows linearly; a line
+through both under-predicts small decode batches by a third. `fit_steps(curve=True)` therefore fits
+step_ms = f(tokens) + c·context with f piecewise linear and non-decreasing between knots at the
+measured token counts (each segment's rise is a non-negative coefficient, so NNLS keeps f monotone).
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+from scipy.optimize import nnls as _scipy_nnls
+
+from segue.sched.cost_model import interpolate_curve
 
 # The kinds of step the profiler measures; a mixed step has a prefill chunk and decodes.
 KINDS = ("prefill", "decode", "mixed")
@@ -47,48 +51,59 @@ class StepFit:
     r2: float                      # on ms, unweighted: how much of the step-time variance the model explains
     mean_abs_rel_error: float      # over all points, |predicted - measured| / measured
     residuals: dict[str, dict[str, float]] = field(default_factory=dict)  # per kind of step
+    # With curve=True: [[tokens, ms], ...] at zero context, which replaces a·tokens + b.
+    curve: list[list[float]] | None = None
 
     def predict_ms(self, tokens: float, context: float, seqs: float = 0.0) -> float:
-        return self.ms_per_token * tokens + self.base_ms + self.ms_per_context_token * context + self.ms_per_seq * seqs
+        own = interpolate_curve(self.curve, tokens) if self.curve else self.ms_per_token * tokens + self.base_ms
+        return own + self.ms_per_context_token * context + self.ms_per_seq * seqs
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """argmin ||x·w - y||² subject to w >= 0, exactly, for a few columns (see the module doc)."""
-    n = x.shape[1]
-    if n > 8:
-        raise ValueError("nnls by support enumeration is for a few columns")
-    best_w, best_err = np.zeros(n), float(np.sum(y ** 2))  # the empty support: w = 0
-    for k in range(1, n + 1):
-        for support in itertools.combinations(range(n), k):
-            cols = list(support)
-            w_s, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
-            if np.any(w_s < 0):
-                continue  # not feasible; the optimum is among the feasible supports
-            w = np.zeros(n)
-            w[cols] = w_s
-            err = float(np.sum((x @ w - y) ** 2))
-            if err < best_err - 1e-12 * max(1.0, best_err):
-                best_w, best_err = w, err
-    return best_w
+    """argmin ||x·w - y||² subject to w >= 0 (Lawson-Hanson, scipy)."""
+    return _scipy_nnls(x, y)[0]
 
 
-def _design(points: list[StepPoint], per_seq: bool) -> tuple[np.ndarray, np.ndarray]:
-    x = np.array([[p.batched_tokens, 1.0, p.context_tokens] + [p.num_seqs] * per_seq for p in points], dtype=float)
+def curve_knots(tokens: list[int], spacing: float = 1.5) -> list[int]:
+    """Knots at the measured token counts, thinned so that neighbours are at least `spacing`
+    apart by ratio (129, 132 and 144 add nothing beside 128), always keeping the largest."""
+    knots: list[int] = []
+    for t in sorted(set(tokens)):
+        if not knots or t >= spacing * knots[-1]:
+            knots.append(t)
+    if knots[-1] != max(tokens):
+        knots[-1] = max(tokens)
+    return knots
+
+
+def _ramps(tokens: float, knots: list[int]) -> list[float]:
+    """How far `tokens` has climbed each segment between knots, 0..1: f = f(k0) + Σ rise_j·ramp_j."""
+    return [min(max((tokens - a) / (b - a), 0.0), 1.0) for a, b in zip(knots, knots[1:])]
+
+
+def _design(points: list[StepPoint], per_seq: bool, knots: list[int] | None) -> tuple[np.ndarray, np.ndarray]:
+    """Columns: a·tokens, b, c·context[, d·seqs]; with knots, f(k0) and one rise per segment
+    take the place of a·tokens and b."""
+    def own(p: StepPoint) -> list[float]:
+        return [1.0] + _ramps(p.batched_tokens, knots) if knots else [p.batched_tokens, 1.0]
+    x = np.array([own(p) + [p.context_tokens] + [p.num_seqs] * per_seq for p in points], dtype=float)
     y = np.array([p.step_ms for p in points], dtype=float)
     return x, y
 
 
-def fit_steps(points: list[StepPoint], per_seq: bool = False) -> StepFit:
+def fit_steps(points: list[StepPoint], per_seq: bool = False, curve: bool = False) -> StepFit:
     """step_ms ≈ a·tokens + b + c·context (+ d·seqs with per_seq), all >= 0, minimising relative
     squared error. per_seq tests whether a sequence costs more than its tokens (sampling, lm_head,
-    bookkeeping), which the CostModel cannot express."""
-    ncoef = 3 + per_seq
+    bookkeeping), which the CostModel cannot express. curve: f(tokens) piecewise linear (see the
+    module doc) instead of a·tokens + b; a and b are then the slope of f's last segment and f(0)."""
+    knots = curve_knots([p.batched_tokens for p in points]) if curve and points else None
+    ncoef = (len(knots) if knots else 2) + 1 + per_seq
     if len(points) < ncoef:
         raise ValueError(f"need at least {ncoef} step measurements to fit {ncoef} coefficients, got {len(points)}")
-    x, y = _design(points, per_seq)
+    x, y = _design(points, per_seq, knots)
     if np.any(y <= 0):
         raise ValueError("step times must be positive")
     w = nnls(x / y[:, None], np.ones_like(y))  # rows scaled by 1/measured: relative residuals
@@ -106,6 +121,13 @@ def fit_steps(points: list[StepPoint], per_seq: bool = False) -> StepFit:
                            "predicted_ms": float(pred[idx].mean()),
                            "mean_rel_error": float(rel[idx].mean()),
                            "max_abs_rel_error": float(np.abs(rel[idx]).max())}
-    return StepFit(ms_per_token=float(w[0]), base_ms=float(w[1]), ms_per_context_token=float(w[2]),
-                   ms_per_seq=float(w[3]) if per_seq else 0.0, r2=r2,
-                   mean_abs_rel_error=float(np.abs(rel).mean()), residuals=residuals)
+    own = 2 if knots is None else len(knots)
+    fit = StepFit(ms_per_token=float(w[0]), base_ms=float(w[1]), ms_per_context_token=float(w[own]),
+                  ms_per_seq=float(w[own + 1]) if per_seq else 0.0, r2=r2,
+                  mean_abs_rel_error=float(np.abs(rel).mean()), residuals=residuals)
+    if knots:
+        levels = np.cumsum(w[:own])  # f at each knot: f(k0), then one rise per segment
+        fit.curve = [[float(k), float(v)] for k, v in zip(knots, levels)]
+        fit.ms_per_token = float((levels[-1] - levels[-2]) / (knots[-1] - knots[-2])) if own > 1 else 0.0
+        fit.base_ms = float(levels[0])
+    return fit

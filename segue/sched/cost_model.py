@@ -2,10 +2,22 @@
 swap bandwidth and KV bytes per token (InferCept §4). Pure Python, shared with the simulator."""
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+
+def interpolate_curve(curve: list[list[float]], tokens: float) -> float:
+    """A piecewise-linear [[tokens, ms], ...] curve (ascending tokens) at `tokens`: flat below its
+    first point, extended with its last segment's slope beyond its last point."""
+    xs = [p[0] for p in curve]
+    if tokens <= xs[0] or len(curve) == 1:
+        return curve[0][1]
+    i = min(bisect.bisect_left(xs, tokens), len(curve) - 1)
+    (x0, y0), (x1, y1) = curve[i - 1], curve[i]
+    return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
 
 @dataclass
@@ -13,6 +25,10 @@ class CostModel:
     # T_fwd(tokens) = fwd_ms_per_token * tokens + fwd_base_ms (a linear fit of profiled steps).
     fwd_ms_per_token: float = 0.45
     fwd_base_ms: float = 30.0
+    # A profiled curve [[tokens, ms], ...] that replaces the line in T_fwd when present: on a CPU a
+    # decode step of 4 sequences costs twice one of 1 while prefill grows linearly, which no single
+    # line fits (the marginal cost T_fwd_extra stays the line's slope).
+    fwd_curve_ms: list[list[float]] | None = None
     # Attention reads every context token's KV each step; this is its cost per context token
     # (used by the simulator's step time; the scheduler's decisions use T_fwd(tokens)).
     fwd_ms_per_context_token: float = 0.0
@@ -26,6 +42,8 @@ class CostModel:
 
     def t_fwd(self, tokens: float) -> float:
         """Seconds for an iteration that processes `tokens` tokens."""
+        if self.fwd_curve_ms:
+            return interpolate_curve(self.fwd_curve_ms, max(tokens, 0.0)) / 1000.0
         return (self.fwd_ms_per_token * max(tokens, 0.0) + self.fwd_base_ms) / 1000.0
 
     def t_fwd_extra(self, tokens: float) -> float:
