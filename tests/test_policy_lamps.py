@@ -103,6 +103,31 @@ def test_fallback_uses_observed_segments_and_max_tokens():
     assert policy.remaining_segment_tokens(fresh) == 20  # the mean completed segment
 
 
+def test_a_request_past_its_prediction_gets_the_residual_life_of_segments_that_got_as_far():
+    # Completed segments of 10, 10, 40 and 100 tokens; one predicted at 8 that has made 20 is
+    # like the two that passed 20: (40 - 20 + 100 - 20) / 2 = 50 more, not "about to end".
+    policy = lamps()
+    for length in (10, 10, 40, 100):
+        policy.observed.observe_length(length)
+    overrun, on_track = request("overrun", 10, 8, None), request("on_track", 10, 30, None)
+    policy.on_arrival(overrun, 0.0)
+    policy.on_arrival(on_track, 0.0)
+    overrun.output_token_ids.extend([1] * 20)
+    assert policy.remaining_segment_tokens(overrun) == 50
+    overrun.output_token_ids.extend([1] * 90)  # 110: longer than any seen
+    assert policy.remaining_segment_tokens(overrun) == 1
+    on_track.output_token_ids.extend([1] * 20)
+    assert policy.remaining_segment_tokens(on_track) == 10  # within its prediction: the prediction
+    end = lamps(overrun="end")
+    end.observed.observe_length(100)
+    late = request("late", 10, 8, None)
+    end.on_arrival(late, 0.0)
+    late.output_token_ids.extend([1] * 20)
+    assert end.remaining_segment_tokens(late) == 1
+    with pytest.raises(ValueError, match="overrun"):
+        lamps(overrun="never")
+
+
 def test_unknown_option_is_rejected():
     with pytest.raises(ValueError, match="starvation"):
         lamps(starvaton_threshold=5)

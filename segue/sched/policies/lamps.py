@@ -37,10 +37,19 @@ Options (`scheduler.policy_options`):
                         score gives way — long contexts, the costliest to rebuild; "cheapest":
                         the running request with the least computed context gives way instead
                         (measured in the simulator: no better, see BENCHMARKS.md)
+  overrun               a request that has run past its predicted length: "residual" (default)
+                        expects the mean remaining length of the recent completed segments that got
+                        as far (their residual life); "end" expects it to end within a token. With
+                        online predictions "end" collapses at high load: every underpredicted long
+                        segment jumps to the head as "about to end" and keeps its growing context
+                        there while others are preempted (measured: BENCHMARKS.md)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 from segue.request import Request, RequestStatus
@@ -48,7 +57,9 @@ from segue.sched.interception.lamps import HandlingChoice, choose_handling
 from segue.sched.policies.base import PolicyContext, SchedulingPolicy
 
 _OPTIONS = {"starvation_threshold", "score_refresh_steps", "swap_waste", "step_s", "other_tokens", "num_running",
-            "victim"}
+            "victim", "overrun"}
+# Completed segment lengths kept for the residual-life estimate: recent traffic, bounded memory.
+_LENGTH_WINDOW = 4096
 # Weight of the newest step in the batch estimates: follows load changes within ~10 steps.
 _EMA = 0.1
 
@@ -77,6 +88,23 @@ class _Observed:
     batch_tokens: float | None = None
     batch_context: float = 0.0
     batch_seqs: float = 1.0
+    lengths: deque[int] = field(default_factory=lambda: deque(maxlen=_LENGTH_WINDOW))
+    _sorted: list[int] | None = None
+    _suffix: list[int] = field(default_factory=list)  # _suffix[i] = sum(_sorted[i:])
+
+    def observe_length(self, tokens: int) -> None:
+        self.lengths.append(tokens)
+        self._sorted = None
+
+    def mean_residual(self, done: float) -> float | None:
+        """E[L - done | L > done] over the completed segments seen: how much longer a segment that
+        has already produced `done` tokens runs, judged by the lengths of those that got that far."""
+        if self._sorted is None:
+            self._sorted = sorted(self.lengths)
+            self._suffix = list(accumulate(reversed(self._sorted)))[::-1] + [0]
+        i = bisect.bisect_right(self._sorted, done)
+        longer = len(self._sorted) - i
+        return (self._suffix[i] - done * longer) / longer if longer else None
 
     def mean_segment_tokens(self) -> float | None:
         return self.segment_tokens / self.segments if self.segments else None
@@ -112,6 +140,9 @@ class LAMPSPolicy(SchedulingPolicy):
         self.victim = str(opts.get("victim", "rank"))
         if self.victim not in ("cheapest", "rank"):
             raise ValueError(f"lamps victim must be 'cheapest' or 'rank', not {self.victim!r}")
+        self.overrun = str(opts.get("overrun", "residual"))
+        if self.overrun not in ("residual", "end"):
+            raise ValueError(f"lamps overrun must be 'residual' or 'end', not {self.overrun!r}")
         self.fixed_step_s: float | None = opts.get("step_s")
         self.fixed_other_tokens: float | None = opts.get("other_tokens")
         self.fixed_num_running: float | None = opts.get("num_running")
@@ -138,7 +169,8 @@ class LAMPSPolicy(SchedulingPolicy):
 
     def remaining_segment_tokens(self, request: Request) -> float:
         """Predicted tokens left before the next interception or the end. A request past its
-        prediction is taken to be about to end, so it is not preempted late in its segment."""
+        prediction ("overrun"): "residual" takes the mean remaining length of the completed
+        segments that got as far; "end" takes it to be about to end (1 token)."""
         track = self._track(request)
         done = request.num_generated_tokens - track.seg_start_generated
         predicted = request.predicted_output_tokens
@@ -147,7 +179,10 @@ class LAMPSPolicy(SchedulingPolicy):
         left_by_limit = max(1, request.sampling_params.max_tokens - request.num_generated_tokens)
         if predicted is None:
             return float(left_by_limit)
-        return float(min(max(predicted - done, 1.0), left_by_limit))
+        left = predicted - done
+        if left < 1.0 and self.overrun == "residual":
+            left = self.observed.mean_residual(done) or 1.0
+        return float(min(max(left, 1.0), left_by_limit))
 
     def handling(self, request: Request, context_at_interception: float, duration_s: float) -> HandlingChoice:
         """The handling LAMPS predicts for the request's next interception (§4.2)."""
@@ -251,6 +286,7 @@ class LAMPSPolicy(SchedulingPolicy):
         obs = self.observed
         obs.segments += 1
         obs.segment_tokens += request.num_generated_tokens - track.seg_start_generated
+        obs.observe_length(request.num_generated_tokens - track.seg_start_generated)
         if intercepted:
             obs.intercepted_segments += 1
 
