@@ -5,6 +5,7 @@ import argparse
 import logging
 import sys
 
+from segue.cluster import DEFAULT_ENGINE_RESTARTS
 from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
 
 
@@ -157,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "actors on a local Ray instance (see segue/cluster)")
     serve.add_argument("--router", default="affinity", choices=["affinity", "round_robin"],
                        help="how requests are placed on replicas when --engines > 1")
+    serve.add_argument("--engine-restarts", type=int, default=DEFAULT_ENGINE_RESTARTS,
+                       help="when --engines > 1: how many times Ray restarts a crashed engine replica "
+                       "(rebuilding its engine) before it stays down; 0 disables restarts")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -9,12 +9,21 @@ What the server reads of "the engine" and how a pool answers (see pool.py): the 
 (tokenizer, chat template, limits) from a ModelFront; generate/continue/resume/detach/abort by
 request id; run_sync(fn) on every replica, merged (merge.py), which covers the server's uses:
 held-token and paused-request lookups by id (one replica answers) and /metrics snapshots (summed).
+
+Fault tolerance: replicas are Ray actors with `max_restarts` (`--engine-restarts`, default
+DEFAULT_ENGINE_RESTARTS). When one dies, its requests in flight fail with EngineDeadError (503),
+/health turns 503 and new work is routed around it while Ray re-runs the actor's constructor,
+which rebuilds the engine. The replica pings it with backoff, without blocking, and is routed to
+again once it answers; what it cached is gone, so the router forgets its prefixes and program
+bindings (ray_health.py, pool.py). Once restarts are exhausted it stays down, logged as such.
+
 Limits, by design or not yet done:
-- a dead replica is routed around but not restarted; its held sessions are lost (their next turn
-  starts fresh elsewhere); /health turns 503 while any replica is down;
+- a dead replica's held sessions are lost (their next turn starts fresh, or fails with 503 while
+  the replica is still down); Ray counts restarts over the actor's lifetime, not per time window;
 - the router sees only what it placed and what replicas report with their outputs; an idle
   replica's last report may be one step old;
-- program (session) bindings are released only by LRU (65536 kept), not when a session closes;
+- program (session) bindings are released when the session closes or the program ends
+  (forget_program), else only by LRU (65536 kept);
 - `task_group` is a pool hint for in-process callers (programs); the HTTP API does not carry it.
 """
 from __future__ import annotations
@@ -31,7 +40,11 @@ if TYPE_CHECKING:
     from segue.config import EngineConfig
 
 __all__ = ["LoadReport", "PlacementReason", "RouteDecision", "RouteRequest", "Router", "make_router",
-           "build_engine", "build_local_pool", "build_ray_pool"]
+           "build_engine", "build_local_pool", "build_ray_pool", "DEFAULT_ENGINE_RESTARTS"]
+
+# Enough to ride out a few crashes; bounded, so an engine that crashes on every rebuild (bad
+# hardware, a poison request retried by clients) ends up down and visible instead of flapping.
+DEFAULT_ENGINE_RESTARTS = 3
 
 
 def _router(config: "EngineConfig", num_engines: int, router: str) -> Router:
@@ -49,10 +62,11 @@ def build_local_pool(config: "EngineConfig", num_engines: int, router: str = "af
 
 
 def build_ray_pool(config: "EngineConfig", num_engines: int, router: str = "affinity",
-                   num_cpus: int | None = None) -> "EnginePool":
+                   num_cpus: int | None = None, max_restarts: int = DEFAULT_ENGINE_RESTARTS) -> "EnginePool":
     """N engine actors on a local Ray instance (started here unless Ray is initialised already).
     Each actor reserves num_cpus / N Ray CPUs, and gets that many torch threads unless --threads
-    says otherwise: engines on shared cores must not each spawn a thread per core."""
+    says otherwise: engines on shared cores must not each spawn a thread per core. Ray restarts a
+    crashed actor up to max_restarts times."""
     from segue.cluster.pool import EnginePool
     from segue.cluster.ray_runtime import start_local_ray
 
@@ -63,7 +77,7 @@ def build_ray_pool(config: "EngineConfig", num_engines: int, router: str = "affi
 
         threads = config.num_threads or max(1, cpus // num_engines)
         replica_config = dataclasses.replace(config, num_threads=threads)
-        replicas = create_ray_replicas(replica_config, num_engines, cpus / num_engines)
+        replicas = create_ray_replicas(replica_config, num_engines, cpus / num_engines, max_restarts)
         return EnginePool(replicas, _router(config, num_engines, router), on_shutdown=stop)
     except BaseException:
         if stop is not None:
@@ -72,10 +86,11 @@ def build_ray_pool(config: "EngineConfig", num_engines: int, router: str = "affi
 
 
 def build_engine(config: "EngineConfig", num_engines: int = 1, router: str = "affinity",
-                 num_cpus: int | None = None) -> "AsyncLLMEngine | EnginePool":
+                 num_cpus: int | None = None,
+                 max_restarts: int = DEFAULT_ENGINE_RESTARTS) -> "AsyncLLMEngine | EnginePool":
     if num_engines < 1:
         raise ValueError(f"--engines must be >= 1, got {num_engines}")
     if num_engines == 1:
         from segue.async_engine import AsyncLLMEngine
         return AsyncLLMEngine.from_config(config)
-    return build_ray_pool(config, num_engines, router, num_cpus)
+    return build_ray_pool(config, num_engines, router, num_cpus, max_restarts)

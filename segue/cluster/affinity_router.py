@@ -74,3 +74,12 @@ class AffinityRouter(Router):
         super().set_available(replica, available)
         if not available:
             self.prefixes.drop_replica(replica)
+
+    def forget_replica(self, replica: int) -> None:
+        # Bindings, unlike prefixes, survive an outage (a replica back without a restart still
+        # holds its sessions); after a restart they would only steer calls to an empty cache.
+        super().forget_replica(replica)
+        self.prefixes.drop_replica(replica)
+        for bindings in (self._programs, self._groups):
+            for key in [k for k, bound in bindings.items() if bound == replica]:
+                del bindings[key]

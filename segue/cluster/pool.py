@@ -9,7 +9,11 @@ run_sync(fn) without a request id runs fn on every live replica and merges the a
 (segue/cluster/merge.py): /metrics thus reports sums over replicas (queues, KV blocks, waste, prefix
 hits, steps); tool duration quantiles are per replica (the one with most observations is shown).
 `is_running` (/health) is true only while every replica is; a Ray replica's death is noticed on
-the next call that reaches it.
+the next call that reaches it. Ray restarts a dead replica (up to --engine-restarts times); once
+it answers again the pool routes to it again, and a restart makes the router forget the prefixes
+and program bindings it had placed there (their cache is gone). Requests that were paused on it are
+gone too: the server's held-session check finds nothing there and starts the next turn fresh
+(while the replica is still down, that turn fails with 503 instead).
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ class EnginePool:
         self.engine = ModelFront(self.replicas[0].describe(), self.replicas)
         self._on_shutdown = on_shutdown
         self._closing = False
+        self._restarts_seen = [r.restarts for r in self.replicas]
         # Request id -> replica index, from placement until the request is gone (finished, aborted).
         self._owners: dict[str, int] = {}
         self._streaming: set[str] = set()
@@ -116,7 +121,11 @@ class EnginePool:
 
     @property
     def is_running(self) -> bool:
-        return not self._closing and all(r.is_running for r in self.replicas)
+        if self._closing:
+            return False
+        # /health asks often, so a replica's return is usually first seen here, before any routing.
+        self._sync_availability()
+        return all(self.router.is_available(i) for i in range(len(self.replicas)))
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -165,10 +174,18 @@ class EnginePool:
                 self._forget(rid)
 
     def _sync_availability(self) -> None:
-        for replica in self.replicas:
-            if not replica.is_running and self.router.is_available(replica.index):
-                logger.error("engine replica %d is down; routing around it", replica.index)
-                self.router.set_available(replica.index, False)
+        for i, replica in enumerate(self.replicas):
+            up = replica.is_running  # first: a Ray replica learns of its restart while polling
+            if replica.restarts != self._restarts_seen[i]:
+                self._restarts_seen[i] = replica.restarts
+                logger.info("engine replica %d was restarted: forgetting the prefixes and programs placed there", i)
+                self.router.forget_replica(i)
+            if up != self.router.is_available(i):
+                if up:
+                    logger.warning("engine replica %d is up; routing to it again", i)
+                else:
+                    logger.error("engine replica %d is down; routing around it", i)
+                self.router.set_available(i, up)
 
     def _forget(self, rid: str) -> None:
         self._owners.pop(rid, None)

@@ -63,6 +63,10 @@ class PrefixIndex:
         while len(self._holders) > self.capacity:
             self._holders.popitem(last=False)
 
+    def held_by(self, replica: int) -> int:
+        """How many prefix chains the replica is believed to hold (introspection: tests, benchmarks)."""
+        return sum(replica in holders for holders in self._holders.values())
+
     def drop_replica(self, replica: int) -> None:
         """A replica restarted or died: whatever it cached is gone."""
         for h in [h for h, holders in self._holders.items() if replica in holders]:

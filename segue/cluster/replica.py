@@ -38,6 +38,9 @@ def engine_census(llm: "LLMEngine") -> dict[str, int]:
 
 class EngineReplica(abc.ABC):
     index: int
+    # How many times the replica's engine was rebuilt (Ray restarted its actor); each time, what it
+    # cached and held is gone. In-process replicas are never rebuilt.
+    restarts: int = 0
 
     @abc.abstractmethod
     def describe(self) -> "ModelInfo":

@@ -108,6 +108,10 @@ class Router(abc.ABC):
     def set_available(self, replica: int, available: bool) -> None:
         self._loads[replica].available = available
 
+    def forget_replica(self, replica: int) -> None:
+        """The replica's engine was rebuilt: nothing it cached or held is there any more."""
+        self._loads[replica].report = LoadReport()
+
     def is_available(self, replica: int) -> bool:
         return self._loads[replica].available
 

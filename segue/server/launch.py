@@ -16,7 +16,7 @@ GRACEFUL_SHUTDOWN_S = 10
 def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
     import uvicorn
 
-    from segue.cluster import build_engine
+    from segue.cluster import DEFAULT_ENGINE_RESTARTS, build_engine
     from segue.server.app import create_app
     from segue.server.auth import resolve_api_keys
     from segue.server.config import ServerConfigError, load_server_config
@@ -34,8 +34,14 @@ def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
     if engines < 1:
         logger.error("--engines must be at least 1, got %d", engines)
         return 2
+    restarts = getattr(args, "engine_restarts", None)
+    restarts = DEFAULT_ENGINE_RESTARTS if restarts is None else restarts
+    if restarts < 0:
+        logger.error("--engine-restarts must be at least 0, got %d", restarts)
+        return 2
     # --engines N > 1: N engine replicas as Ray actors behind an affinity router (segue/cluster).
-    engine = build_engine(config, engines, router=getattr(args, "router", None) or "affinity")
+    engine = build_engine(config, engines, router=getattr(args, "router", None) or "affinity",
+                          max_restarts=restarts)
     app = create_app(engine, shutdown_engine=True, config=server_config, tools=tools)
     logger.info("serving %r (context %d tokens, %d engine%s) on http://%s:%d/v1%s; server-side tools: %s",
                 engine.engine.model_name, engine.engine.max_model_len, engines, "s" if engines > 1 else "", host, port,

@@ -1,0 +1,135 @@
+"""The actor side of a Ray replica: EngineActor owns an AsyncLLMEngine in the actor's process.
+
+Streams are async generators that Ray relays as streaming generators, one item per output:
+(RequestOutput, LoadReport, incarnation). The incarnation is drawn in the constructor, which Ray
+re-runs when it restarts a crashed actor; RayReplica (ray_replica.py) reads it to notice a restart.
+Detaching a request ends its stream here, and detach returns only once that stream is closed.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+from segue.async_engine import AsyncLLMEngine
+from segue.cluster.front import ModelInfo, model_info
+from segue.cluster.replica import load_report
+from segue.cluster.router import LoadReport
+from segue.config import EngineConfig
+from segue.outputs import RequestOutput
+from segue.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from segue.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+ActorOutput = tuple[RequestOutput, LoadReport, int]
+
+
+def _set_tool_parser(request_id: str, parser: Any, llm: "LLMEngine") -> None:
+    # The server re-arms its parser between turns; the actor's copy must be that one.
+    state = llm._states.get(request_id)
+    if state is not None:
+        state.tool_parser = parser
+
+
+async def _until_set(source: AsyncIterator[Any], stop: asyncio.Event) -> AsyncIterator[Any]:
+    """source's items until `stop` is set; then the pending read is cancelled (which closes source)."""
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        while True:
+            item = asyncio.ensure_future(anext(source))
+            await asyncio.wait({item, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set():
+                item.cancel()
+                await asyncio.wait({item})  # let the engine stream's own cleanup run
+                return
+            try:
+                yield item.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        stopper.cancel()
+
+
+class EngineActor:
+    """Runs inside the actor process (an async actor: every method runs on its event loop)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = AsyncLLMEngine.from_config(config)
+        # Tags this process's answers, so the replica tells a restarted actor (nothing cached, no
+        # paused requests) from one that was only unreachable for a moment.
+        self.incarnation = uuid.uuid4().int >> 64
+        self._stopping = False
+        # Open streams by request id: (stop, ended) events, so detach can end one and wait for it.
+        self._streams: dict[str, tuple[asyncio.Event, asyncio.Event]] = {}
+
+    async def _serve(self, request_id: str, source: AsyncIterator[Any]) -> AsyncIterator[ActorOutput]:
+        entry = (asyncio.Event(), asyncio.Event())
+        self._streams[request_id] = entry
+        try:
+            async with contextlib.aclosing(source) as outs, \
+                    contextlib.aclosing(_until_set(outs, entry[0])) as items:
+                async for out in items:
+                    yield out, load_report(self.engine.engine), self.incarnation
+        finally:
+            entry[1].set()
+            if self._streams.get(request_id) is entry:
+                del self._streams[request_id]
+
+    async def describe(self) -> ModelInfo:
+        return model_info(self.engine.engine)
+
+    async def ping(self) -> int:
+        if not self.engine.is_running and not self._stopping:
+            # The step loop died but the process lives, and Ray restarts only processes that die:
+            # exit as a crash would, so the engine is rebuilt (counted against max_restarts).
+            logger.error("engine loop is dead; exiting so that Ray restarts this actor")
+            os._exit(1)
+        return self.incarnation
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       hints: dict[str, Any]) -> AsyncIterator[ActorOutput]:
+        async for item in self._serve(request_id, self.engine.generate(prompt_token_ids, params, request_id, **hints)):
+            yield item
+
+    async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
+                               tool_parser: Any) -> AsyncIterator[ActorOutput]:
+        previous = self._streams.get(request_id)
+        if previous is not None and previous[0].is_set():
+            # A detach of the last turn's stream is still closing it; continuing now would find
+            # that stream open. (RayReplica also awaits the detach first: async actors do not
+            # promise to run one caller's calls in order.)
+            await previous[1].wait()
+        if tool_parser is not None:
+            await self.engine.run_sync(functools.partial(_set_tool_parser, request_id, tool_parser))
+        async for item in self._serve(request_id, self.engine.continue_request(request_id, tokens, params)):
+            yield item
+
+    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None) -> None:
+        await self.engine.resume(request_id, tokens, params)
+
+    async def detach(self, request_id: str) -> None:
+        self.engine.detach(request_id)
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            entry[0].set()
+            await entry[1].wait()
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def run_sync(self, fn: Callable[["LLMEngine"], Any]) -> Any:
+        return await self.engine.run_sync(fn)
+
+    async def set_tool_hint(self, name: str, seconds: float | None) -> None:
+        self.engine.engine.tool_stats.set_hint(name, seconds)
+
+    async def shutdown(self, drain_timeout: float) -> None:
+        self._stopping = True
+        await self.engine.shutdown(drain_timeout)
