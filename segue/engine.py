@@ -17,6 +17,7 @@ from segue.request import Request, RequestStatus
 from segue.sampling_params import InvalidRequestError, SamplingParams
 from segue.sched.cost_model import CostModel, default_profile_path
 from segue.sched.interception import make_interception_policy
+from segue.sched.output import SchedulerOutput
 from segue.sched.policies import PolicyContext, make_policy
 from segue.sched.scheduler import Scheduler
 from segue.sched.waste import WasteMeter
@@ -256,7 +257,10 @@ class LLMEngine:
                 continue
             self.resume(rid, tokens)
         out = self.scheduler.schedule(now)
-        self.last_step_idle = out.is_empty and not ended
+        # A step that only preempted changed what the next one can admit: not idle (drivers that
+        # wait for an event when idle would otherwise see a deadlock that is not there).
+        self.last_step_idle = out.is_empty and not out.preempted and not ended
+        self._count_preemptions(out)
         if out.is_empty:
             return ended
         for seq in out.seqs:
@@ -314,10 +318,12 @@ class LLMEngine:
                     _, state.tool_calls = state.tool_parser.find_calls(state.detokenizer.text)
                     self.intercept(req.request_id, state.tool_calls[0].name or None, state.expected_tool_s)
             outputs.append(self._make_output(state))
+        return outputs
+
+    def _count_preemptions(self, out: SchedulerOutput) -> None:
         for req in out.preempted:
             if req.request_id in self._states:
                 self._states[req.request_id].metrics.num_preemptions = req.num_preemptions
-        return outputs
 
     def _make_output(self, state: RequestState) -> RequestOutput:
         req = state.request

@@ -128,6 +128,21 @@ def test_a_request_past_its_prediction_gets_the_residual_life_of_segments_that_g
         lamps(overrun="never")
 
 
+def test_starving_requests_go_first_come_first_served_whatever_their_scores():
+    policy = lamps(starvation_threshold=2)
+    big, small, fresh = request("big", 400, 200, 0.0), request("small", 10, 5, 0.0), request("fresh", 10, 5, 0.0)
+    policy.on_arrival(big, 0.0)
+    policy.on_step(0.0)
+    policy.on_arrival(small, 0.0)
+    for _ in range(3):  # big starves a step before small
+        policy.on_step(0.0)
+    policy.on_arrival(fresh, 0.0)
+    assert policy.tracks["big"].starving and policy.tracks["small"].starving
+    assert policy.score(big) > policy.score(small)
+    order = sorted([fresh, small, big], key=lambda r: policy.key(r, 0.0))
+    assert [r.request_id for r in order] == ["big", "small", "fresh"]
+
+
 def test_unknown_option_is_rejected():
     with pytest.raises(ValueError, match="starvation"):
         lamps(starvaton_threshold=5)

@@ -204,3 +204,18 @@ def test_oracle_predictions_are_the_scripts_truth():
         if engine.scheduler.last_batch_tokens == 0 and engine.next_timer() is not None:
             engine.clock.advance_to(engine.next_timer())  # only the pause is left: skip to its end
     assert seen[-1] == (9, 0.0) and (5, 2.0) in seen
+
+
+def test_a_step_that_only_preempts_is_not_idle() -> None:
+    # A non-preemptive scheduler can spend a step preempting its only running request (its next
+    # block held by waiting requests) and admit nobody until the next step; a driver that waits
+    # for an event after an idle step would report a deadlock that is not there.
+    engine = make_sim_engine(PRESETS["gptj-6b-a100"], 4096, EngineConfig())
+    req = engine.add_request("r0", [1] * 8, SamplingParams(max_tokens=4))
+    preempt_only = SchedulerOutput(preempted=[req])
+    engine.scheduler.schedule = lambda now: preempt_only
+    engine.step()
+    assert not engine.last_step_idle
+    engine.scheduler.schedule = lambda now: SchedulerOutput()
+    engine.step()
+    assert engine.last_step_idle

@@ -22,9 +22,11 @@ time). τ, C_other (context of the rest of the batch) and the batch size come fr
 
 Starvation (§4.4): a request counts the steps it spends runnable but not scheduled; being
 scheduled or intercepted resets the count. At `starvation_threshold` it is marked starving and
-stays ahead of every non-starving request (ordered among starving ones by score) until it ends,
-so it is also never the preemption victim. The count starts at arrival, not at first admission
-(the paper's wording is ambiguous), so a request that was never admitted cannot starve forever.
+stays ahead of every non-starving request until it ends, so it is also never the preemption
+victim while others remain. Starving requests go first come, first served among themselves (by the
+step they began to starve): sustained overload starves many at once, and ordered by score among
+themselves the largest would never get ahead. The count starts at arrival, not at first
+admission (the paper's wording is ambiguous), so a request never admitted cannot starve forever.
 
 Options (`scheduler.policy_options`):
   starvation_threshold  steps (default 100; 0 disables)
@@ -71,6 +73,7 @@ class _Track:
     joined_step: int           # step count when it last became runnable
     waited_steps: int = 0
     starving: bool = False
+    starving_since: int = 0    # step it began to starve: the order among starving requests
     paused: bool = False
     score: float = 0.0
     scored_step: int = -1      # -1: must be re-scored
@@ -222,7 +225,9 @@ class LAMPSPolicy(SchedulingPolicy):
                 or inputs != track.scored_inputs):
             track.score = self.score(request)
             track.scored_step, track.scored_inputs = self.steps, inputs
-        return (0 if track.starving else 1, track.score, request.seq_no)
+        if track.starving:
+            return (0, track.starving_since, request.seq_no)
+        return (1, track.score, request.seq_no)
 
     # ---- hooks ---------------------------------------------------------------------------
     def _track(self, request: Request) -> _Track:
@@ -246,7 +251,7 @@ class LAMPSPolicy(SchedulingPolicy):
                     continue
                 track.waited_steps += 1
                 if track.waited_steps >= self.starvation_threshold:
-                    track.starving = True
+                    track.starving, track.starving_since = True, self.steps
         self._step_tokens, self._step_context = {}, {}
         self.steps += 1
 
