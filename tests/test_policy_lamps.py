@@ -128,8 +128,9 @@ def test_a_request_past_its_prediction_gets_the_residual_life_of_segments_that_g
         lamps(overrun="never")
 
 
-def test_starving_requests_go_first_come_first_served_whatever_their_scores():
-    policy = lamps(starvation_threshold=2)
+@pytest.mark.parametrize("starving_order", ["score", "fifo"])
+def test_starving_requests_are_ordered_by_score_or_by_when_they_began_to_starve(starving_order):
+    policy = lamps(starvation_threshold=2, starving_order=starving_order)
     big, small, fresh = request("big", 400, 200, 0.0), request("small", 10, 5, 0.0), request("fresh", 10, 5, 0.0)
     policy.on_arrival(big, 0.0)
     policy.on_step(0.0)
@@ -140,7 +141,8 @@ def test_starving_requests_go_first_come_first_served_whatever_their_scores():
     assert policy.tracks["big"].starving and policy.tracks["small"].starving
     assert policy.score(big) > policy.score(small)
     order = sorted([fresh, small, big], key=lambda r: policy.key(r, 0.0))
-    assert [r.request_id for r in order] == ["big", "small", "fresh"]
+    expected = ["big", "small", "fresh"] if starving_order == "fifo" else ["small", "big", "fresh"]
+    assert [r.request_id for r in order] == expected
 
 
 def test_unknown_option_is_rejected():

@@ -23,9 +23,11 @@ time). τ, C_other (context of the rest of the batch) and the batch size come fr
 Starvation (§4.4): a request counts the steps it spends runnable but not scheduled; being
 scheduled or intercepted resets the count. At `starvation_threshold` it is marked starving and
 stays ahead of every non-starving request until it ends, so it is also never the preemption
-victim while others remain. Starving requests go first come, first served among themselves (by the
-step they began to starve): sustained overload starves many at once, and ordered by score among
-themselves the largest would never get ahead. The count starts at arrival, not at first
+victim while others remain. Among starving requests the order is the option `starving_order`:
+"score" (default) keeps LAMPS's ranking, "fifo" goes by the step they began to starve. Under
+sustained overload nearly everyone starves within 100 steps, so "fifo" turns LAMPS into FCFS (and
+loses its gain), while "score" lets the largest requests wait for as long as smaller ones keep
+starving (measured in the simulator, BENCHMARKS.md). The count starts at arrival, not at first
 admission (the paper's wording is ambiguous), so a request never admitted cannot starve forever.
 
 Options (`scheduler.policy_options`):
@@ -59,7 +61,7 @@ from segue.sched.interception.lamps import HandlingChoice, choose_handling
 from segue.sched.policies.base import PolicyContext, SchedulingPolicy
 
 _OPTIONS = {"starvation_threshold", "score_refresh_steps", "swap_waste", "step_s", "other_tokens", "num_running",
-            "victim", "overrun"}
+            "victim", "overrun", "starving_order"}
 # Completed segment lengths kept for the residual-life estimate: recent traffic, bounded memory.
 _LENGTH_WINDOW = 4096
 # Weight of the newest step in the batch estimates: follows load changes within ~10 steps.
@@ -143,6 +145,9 @@ class LAMPSPolicy(SchedulingPolicy):
         self.victim = str(opts.get("victim", "rank"))
         if self.victim not in ("cheapest", "rank"):
             raise ValueError(f"lamps victim must be 'cheapest' or 'rank', not {self.victim!r}")
+        self.starving_order = str(opts.get("starving_order", "score"))
+        if self.starving_order not in ("score", "fifo"):
+            raise ValueError(f"lamps starving_order must be 'score' or 'fifo', not {self.starving_order!r}")
         self.overrun = str(opts.get("overrun", "residual"))
         if self.overrun not in ("residual", "end"):
             raise ValueError(f"lamps overrun must be 'residual' or 'end', not {self.overrun!r}")
@@ -225,9 +230,9 @@ class LAMPSPolicy(SchedulingPolicy):
                 or inputs != track.scored_inputs):
             track.score = self.score(request)
             track.scored_step, track.scored_inputs = self.steps, inputs
-        if track.starving:
+        if track.starving and self.starving_order == "fifo":
             return (0, track.starving_since, request.seq_no)
-        return (1, track.score, request.seq_no)
+        return (0 if track.starving else 1, track.score, request.seq_no)
 
     # ---- hooks ---------------------------------------------------------------------------
     def _track(self, request: Request) -> _Track:
