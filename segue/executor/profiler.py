@@ -47,7 +47,7 @@ class ProfileGrid:
 # the grid keeps the prefill it needs to set up decode batches to ~7k tokens (B·C <= 2048) and
 # `segue profile` to about a minute; the batch prefills double as large prefill points.
 CPU_GRID = ProfileGrid(prefill_tokens=(16, 64, 256),
-                       decode_groups=((1, 128), (4, 128), (16, 128), (32, 64), (1, 512), (4, 512), (1, 1024)),
+                       decode_groups=((1, 128), (2, 128), (4, 128), (8, 128), (16, 128), (32, 64), (1, 512), (4, 512), (1, 1024)),
                        decode_steps=8)
 # CUDA: prefill is cheap, so the full B x C grid and more repeats.
 CUDA_GRID = ProfileGrid(prefill_tokens=(16, 64, 256, 1024, 2048),
