@@ -204,6 +204,11 @@ def run_sim(args: argparse.Namespace) -> int:
             res = replay(engine, reqs, arrivals, engine.clock.advance_to, seed=args.seed, progress=progress,
                          desc=f"{name} @ {rate:g} req/s")
             rows.append({"policy": name, "rate": rate, **res.to_dict()})
+            # The table comes at the end; a long sweep leaves each row in the log as it finishes.
+            norm = (rows[-1].get("summary") or {}).get("normalized_latency", {}).get("mean")
+            print(f"done: {name} @ {rate:g} req/s: {res.num_finished}/{len(reqs)} finished, mean normalized "
+                  f"latency {norm if norm is not None else float('nan'):.3f} s/token, {res.wall_s:.0f} s wall",
+                  file=sys.stderr, flush=True)
             sim_s += engine.clock()
             wall_s += res.wall_s
             steps += res.steps
