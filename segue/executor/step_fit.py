@@ -98,7 +98,8 @@ def fit_steps(points: list[StepPoint], per_seq: bool = False, curve: bool = Fals
     """step_ms ≈ a·tokens + b + c·context (+ d·seqs with per_seq), all >= 0, minimising relative
     squared error. per_seq tests whether a sequence costs more than its tokens (sampling, lm_head,
     bookkeeping), which the CostModel cannot express. curve: f(tokens) piecewise linear (see the
-    module doc) instead of a·tokens + b; a and b are then the slope of f's last segment and f(0)."""
+    module doc) instead of a·tokens + b; a and b are then the slope of f's last segment and f at its
+    first knot."""
     knots = curve_knots([p.batched_tokens for p in points]) if curve and points else None
     ncoef = (len(knots) if knots else 2) + 1 + per_seq
     if len(points) < ncoef:
