@@ -22,6 +22,7 @@ import pytest
 import ray.cloudpickle
 
 from conftest import make_tiny_checkpoint
+from test_cluster import run_one
 from test_server_support import ServerThread
 from segue.async_engine import EngineDeadError
 from segue.cluster import build_ray_pool
@@ -87,16 +88,6 @@ def wait_until(condition: Callable[[], bool], timeout: float = RESTART_S) -> Non
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.1)
-
-
-async def run_one(pool: EnginePool, prompt: str, rid: str, max_tokens: int = 12,
-                  **hints: Any) -> tuple[int, RequestOutput]:
-    owner, last = -1, None
-    async for last in pool.generate(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), rid, **hints):
-        if owner < 0:
-            owner = pool.owner_of(rid)
-    assert last is not None and last.finished
-    return owner, last
 
 
 def one(pool: EnginePool, prompt: str, rid: str, **hints: Any) -> tuple[int, RequestOutput]:
