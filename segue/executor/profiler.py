@@ -47,7 +47,8 @@ class ProfileGrid:
 # the grid keeps the prefill it needs to set up decode batches to ~7k tokens (B·C <= 2048) and
 # `segue profile` to about a minute; the batch prefills double as large prefill points.
 CPU_GRID = ProfileGrid(prefill_tokens=(16, 64, 256),
-                       decode_groups=((1, 128), (2, 128), (4, 128), (8, 128), (16, 128), (32, 64), (1, 512), (4, 512), (1, 1024)),
+                       decode_groups=((1, 128), (2, 128), (4, 128), (8, 128), (16, 128), (32, 64),
+                                      (1, 512), (4, 512), (1, 1024)),
                        decode_steps=8)
 # CUDA: prefill is cheap, so the full B x C grid and more repeats.
 CUDA_GRID = ProfileGrid(prefill_tokens=(16, 64, 256, 1024, 2048),
@@ -78,7 +79,8 @@ class ProfileReport:
         # (the fit is of wall time, so it carries that load in).
         timed = [p.step_ms / p.cpu_ms for p in self.points if p.cpu_ms > 0]
         load = statistics.median(timed) if timed else None
-        return {"fit": self.fit.to_dict(), "line_fit": self.line_fit.to_dict(), "per_seq_fit": self.per_seq_fit.to_dict(),
+        return {"fit": self.fit.to_dict(), "line_fit": self.line_fit.to_dict(),
+                "per_seq_fit": self.per_seq_fit.to_dict(),
                 "points": [asdict(p) for p in self.points], "wall_over_cpu_median": load,
                 "timer": self.timer, "profile_seconds": self.seconds, "skipped": self.skipped}
 
