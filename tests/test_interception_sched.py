@@ -117,3 +117,41 @@ def test_random_pauses_and_resumes_keep_kv_correct(seed, policy, num_blocks, hos
         assert req.status == RequestStatus.FINISHED_LENGTH
         assert req.output_token_ids == expected_output(req.prompt_token_ids, req.sampling_params.max_tokens,
                                                        plans[req.request_id])
+
+
+class _ByPriority(make_policy("fcfs").__class__):
+    """A non-preemptive order set per request id (lower first), like LAMPS's scores."""
+    name = "test-by-priority"
+
+    def __init__(self, priority: dict[str, int]) -> None:
+        super().__init__()
+        self.priority = priority
+
+    def key(self, request: Request, now: float) -> tuple[int, int]:
+        return (self.priority.get(request.request_id, 0), request.seq_no)
+
+
+def test_resumed_preserved_context_rejoins_the_running_requests_under_a_non_fcfs_order():
+    """A preserved pause that ends keeps its KV; ranked behind a new request that cannot get memory,
+    it must not wait holding the memory the newcomer needs (nor lose its context to it): it runs
+    on, as in vLLM's running queue."""
+    bs = 4
+    kv = KVCacheManager(bs, 10, 0, enable_prefix_caching=False)
+    policy = _ByPriority({"long": 1, "new": 0})
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), kv, policy, max_model_len=40,
+                      interception=make_interception_policy("preserve"))
+    long = Request("long", list(range(20)), SamplingParams(max_tokens=8), 0.0)
+    sched.add_request(long)
+    out = sched.schedule(0.0)
+    sched.update_from_output(out, {"long": 1})
+    sched.intercept_request(long, 0.1)
+    sched.check_invariants()
+    new = Request("new", list(range(24)), SamplingParams(max_tokens=4), 0.2)
+    sched.add_request(new)  # 6 blocks: does not fit beside the paused context's 6
+    sched.resume_request(long, [2, 3], 0.3)
+    out = sched.schedule(0.3)
+    sched.check_invariants()
+    [seq] = out.seqs
+    assert seq.request is long and seq.start_pos == 20 and seq.num_tokens == 3, "the resumed context runs on from its KV"
+    assert long.num_preemptions == 0 and long.status == RequestStatus.RUNNING
+    assert new.status == RequestStatus.WAITING

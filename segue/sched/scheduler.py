@@ -139,6 +139,8 @@ class Scheduler:
                 req.status = RequestStatus.WAITING
             self.waiting += self.running
             self.running = []
+        else:
+            self._rejoin_resident()
         self.running.sort(key=key)
         scheduled: list[tuple[Request, int]] = []
 
@@ -178,6 +180,25 @@ class Scheduler:
         if reserve > 0:
             keep_reserve(self, out, reserve, now)
         return out
+
+    def _rejoin_resident(self) -> None:
+        """Non-preemptive policies: a waiting request that still holds its context on the device
+        (a preserved pause that ended, a finished swap-in) rejoins the running requests, as
+        InferCept keeps it in vLLM's running queue, instead of queueing for admission. Queued
+        behind cheaper work by an ordering like LAMPS's, it would pin memory it cannot use: with
+        it in the waiting queue, waiting holders kept 55% of the pool on average and LAMPS
+        preempted 7x as often as FCFS (simulator, 30 minutes at 4 req/s; BENCHMARKS.md). Under
+        memory pressure it is preempted like any running request, in the policy's order."""
+        keep = []
+        for req in self.waiting:
+            resident = (req.status == RequestStatus.WAITING and req.num_computed_tokens > 0
+                        and self.kv.num_device_blocks_of(req.request_id) > 0)
+            if resident and len(self.running) < self.config.max_num_seqs:
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+            else:
+                keep.append(req)
+        self.waiting = keep
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance progress, append sampled tokens, and finish requests that hit a stop
