@@ -225,11 +225,15 @@ def test_fidelity_runs_real_and_sim(tiny_model, tmp_path, restore_torch_threads)
     out = tmp_path / "fid.json"
     rc = main(["--log-level", "WARNING", "bench", "fidelity", "--model", tiny_model, "--device", "cpu",
                "--threads", "1", "--workload", "throughput", "--prompt-len", "32", "--output-len", "8",
-               "--num-requests", "6", "--rates", "20", "--profile-repeats", "1", "--max-num-batched-tokens", "256",
-               "--output-json", str(out), "--no-progress"])
+               "--num-requests", "6", "--rates", "20,40", "--profile-repeats", "1", "--max-num-batched-tokens", "256",
+               "--profile-each-rate", "--output-json", str(out), "--no-progress"])
     assert rc == 0
     rep = json.loads(out.read_text())
-    (run,) = rep["runs"]
+    assert rep["cost_source"] == "profiled right before each rate"
+    first, run = rep["runs"]
+    # Each rate ran on its own fresh profile (timings of two profiles never agree to the last bit).
+    assert first["cost_model"]["fwd_curve_ms"] and run["cost_model"]["fwd_curve_ms"]
+    assert first["cost_model"] != run["cost_model"]
     assert run["real"]["finished"] == run["sim"]["finished"] == 6
     assert run["real"]["output_throughput"] > 0 and run["sim"]["output_throughput"] > 0
     err = run["sim_error"]["output_throughput"]

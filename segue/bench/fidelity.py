@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_args(p, num_requests=16)
     p.set_defaults(kinds="math,qa,ve")  # the kinds with sub-second pauses keep a real run short
     p.add_argument("--profile-repeats", type=int, default=3, help="repeats per point when profiling now")
+    p.add_argument("--profile-each-rate", action="store_true",
+                   help="profile again right before each rate's real run (without --profile): a VM whose step "
+                        "times drift between runs minutes apart is then measured at the speed the run sees")
     p.add_argument("--tolerance", type=float, default=0.10, help="relative error called agreement (default 0.10)")
     p.add_argument("--deadline-s", type=float, default=None, help="stop the real run after this many seconds")
     p.add_argument("--output-json", default=None, metavar="PATH")
@@ -84,20 +87,27 @@ def run(args: argparse.Namespace) -> int:
         return LLMEngine(config, executor=executor, tokenizer=tokenizer, model_config=model_config,
                          model_name=model_name, chat_template=template)
 
-    if args.profile_path:
-        cost = CostModel.load(args.profile_path)
-        cost_source = args.profile_path
-    else:
+    if args.profile_path and args.profile_each_rate:
+        raise SystemExit("--profile-each-rate profiles now; it cannot be combined with --profile")
+
+    def measure() -> tuple[Any, str]:
+        if args.profile_path:
+            return CostModel.load(args.profile_path), args.profile_path
         from segue.executor.profiler import profile
 
         pconf = copy.deepcopy(base)
         pconf.scheduler.max_num_batched_tokens = max(pconf.scheduler.max_num_batched_tokens, 1024)
-        cost, _ = profile(engine_for(pconf), repeats=args.profile_repeats)
-        cost_source = "profiled now"
-    cost.kv_bytes_per_token = executor.kv_bytes_per_token
+        measured, _ = profile(engine_for(pconf), repeats=args.profile_repeats)
+        return measured, "profiled right before each rate" if args.profile_each_rate else "profiled now"
+
+    def use(measured: Any) -> None:
+        measured.kv_bytes_per_token = executor.kv_bytes_per_token
+        measured.save(cost_path)
+
+    cost, cost_source = measure()
     fd, cost_path = tempfile.mkstemp(prefix="segue-fidelity-", suffix=".json")
     os.close(fd)
-    cost.save(cost_path)
+    use(cost)
     config = copy.deepcopy(base)
     config.scheduler.profile_path = cost_path  # the real scheduler plans with the costs the simulator charges
     probe = engine_for(config)
@@ -113,7 +123,10 @@ def run(args: argparse.Namespace) -> int:
                               "model": probe.model_name, "device": getattr(executor, "device_name", "cpu"),
                               "kv_cache_tokens": kv_tokens, "dropped": dropped, "runs": []}
     try:
-        for rate in args.rates:
+        for i, rate in enumerate(args.rates):
+            if args.profile_each_rate and i > 0:
+                cost, _ = measure()
+                use(cost)
             arrivals = arrivals_for(spec, rate)
             engine = engine_for(copy.deepcopy(config))
             log = StepLog()
@@ -124,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
             refit = CostModel(fwd_ms_per_token=per_token, fwd_base_ms=base_ms, fwd_ms_per_context_token=per_ctx,
                               saturation_tokens=cost.saturation_tokens, swap_bytes_per_s=cost.swap_bytes_per_s,
                               kv_bytes_per_token=cost.kv_bytes_per_token, device=cost.device, source="refit")
-            run: dict[str, Any] = {"rate": rate, "real": _metrics(real), "real_busy_s": sum(s.step_s for s in log.samples),
+            run: dict[str, Any] = {"rate": rate, "cost_model": cost.__dict__, "real": _metrics(real),
+                                   "real_busy_s": sum(s.step_s for s in log.samples),
                                    "steps": step_diagnosis(log, cost), "refit_cost_model": refit.__dict__}
             for name, model in (("sim", cost), ("refit", refit)):
                 sconf = copy.deepcopy(config)
@@ -156,20 +170,24 @@ def _num(v: float | None, fmt: str = "{:.4f}") -> str:
     return "n/a" if v is None else fmt.format(v)
 
 
-def render(report: dict[str, Any], tolerance: float) -> str:
-    c = report["cost_model"]
+def _cost_text(c: dict[str, Any]) -> str:
     if c.get("fwd_curve_ms"):
         own = "f(tokens), f in ms at {" + ", ".join(f"{t:g}: {ms:.1f}" for t, ms in c["fwd_curve_ms"]) + "},"
     else:
         own = f"{c['fwd_ms_per_token']:.4f} ms/token + {c['fwd_base_ms']:.1f} ms"
+    return f"T_fwd = {own} + {c['fwd_ms_per_context_token']:.5f} ms/context token"
+
+
+def render(report: dict[str, Any], tolerance: float) -> str:
     lines = ["## segue bench fidelity — real engine vs simulator", "",
              f"{report['model']} on {report['device']}, {report['kv_cache_tokens']} KV tokens; workload: "
-             f"{report['workload']}. Cost model ({report['cost_source']}): T_fwd = {own} "
-             f"+ {c['fwd_ms_per_context_token']:.5f} ms/context token.", ""]
+             f"{report['workload']}. Cost model ({report['cost_source']}): {_cost_text(report['cost_model'])}.", ""]
     for run in report["runs"]:
         real, sim, refit = run["real"], run["sim"], run["refit"]
-        lines += [f"### {run['rate']:g} req/s", "",
-                  "| | real | sim | error | sim (refit) | error |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"### {run['rate']:g} req/s", ""]
+        if run.get("cost_model", report["cost_model"]) != report["cost_model"]:
+            lines += [f"Profiled right before this rate: {_cost_text(run['cost_model'])}.", ""]
+        lines += ["| | real | sim | error | sim (refit) | error |", "|---|---:|---:|---:|---:|---:|"]
         for key, label, fmt in (("output_throughput", "output tok/s", "{:.1f}"),
                                 ("normalized_latency_mean", "mean normalized latency (s/token)", "{:.4f}"),
                                 ("ttft_mean", "mean TTFT (s)", "{:.3f}")):
