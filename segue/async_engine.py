@@ -35,6 +35,8 @@ class AsyncLLMEngine:
         self._closing = False
         self._dead: BaseException | None = None
         self._detached: set[str] = set()
+        # Objectives that arrived before their request reached the engine (loop thread only).
+        self._early_objectives: dict[str, bool] = {}
         self._thread = threading.Thread(target=self._run, name="segue-engine", daemon=True)
         self._thread.start()
 
@@ -60,6 +62,8 @@ class AsyncLLMEngine:
 
         def add() -> None:
             try:
+                if rid in self._early_objectives:
+                    state.request.latency_sensitive = self._early_objectives.pop(rid)
                 self.engine.add_prepared(state)
             except Exception as e:  # reaches this request's caller only
                 self._deliver(e, rid)
@@ -127,6 +131,18 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._detached.discard(request_id)
         self._submit(lambda: self._deliver(self.engine.abort_request(request_id)))
+
+    def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None:
+        """A program's DAG grew after this call reached the engine (its map calls arrive before
+        the reduce that makes them a task group): the scheduler's latency capacity reads the new
+        objective from the next step on. A request still on its way in gets it when added."""
+        def op() -> None:
+            request = self.engine.scheduler.requests.get(request_id)
+            if request is not None:
+                request.latency_sensitive = latency_sensitive
+            elif request_id in self._streams or len(self._early_objectives) < 10_000:
+                self._early_objectives[request_id] = latency_sensitive
+        self._submit(op)
 
     def forget_program(self, program_id: str) -> None:
         """A program or session ended. One engine keeps no placement for it (its KV goes with its

@@ -26,6 +26,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     g.add_argument("--watermark", type=float, default=SchedulerConfig.watermark,
                    help="fraction of the KV pool kept free when admitting new requests (default: 0)")
+    g.add_argument("--latency-capacity-tokens", type=int, default=None,
+                   help="Parrot's latency capacity: while a latency-sensitive request runs (plain API requests "
+                        "are), the running requests hold at most this many tokens; a program's throughput "
+                        "task group alone may fill the pool (default: no cap)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--policy", default=SchedulerConfig.policy, help="scheduling policy name")
     g.add_argument("--interception-policy", default=SchedulerConfig.interception_policy,
@@ -43,7 +47,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                  watermark=args.watermark,
+                                  watermark=args.watermark, latency_capacity_tokens=args.latency_capacity_tokens,
                                   policy=args.policy, interception_policy=args.interception_policy,
                                   profile_path=args.profile_path),
         num_threads=args.threads,

@@ -56,6 +56,11 @@ class SchedulerConfig:
     profile_path: str | None = None
     # None: the model's context window, capped by what the device pool can hold.
     max_model_len: int | None = None
+    # Parrot's latency capacity: while a latency-sensitive request runs (every plain API request
+    # is), admission keeps the running requests' tokens within this many, because a decode step's
+    # time grows with the tokens in the batch. Throughput work (a program's task group) alone may
+    # fill the pool. None: no cap.
+    latency_capacity_tokens: int | None = None
 
     def validate(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -66,6 +71,8 @@ class SchedulerConfig:
             raise ConfigError("watermark must be in [0, 1)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
+        if self.latency_capacity_tokens is not None and self.latency_capacity_tokens < 1:
+            raise ConfigError("latency_capacity_tokens must be >= 1")
 
 
 @dataclass

@@ -128,7 +128,8 @@ class LLMEngine:
     def make_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                      arrival_time: float | None = None, priority: int = 0,
                      program_id: str | None = None, tool_parser: Any = None,
-                     cache_salt: str | None = None, expected_tool_s: float | None = None) -> RequestState:
+                     cache_salt: str | None = None, expected_tool_s: float | None = None,
+                     latency_sensitive: bool = True) -> RequestState:
         """Validate and tokenize without touching engine state (safe from any thread)."""
         params.validate()
         request_id = request_id or uuid.uuid4().hex
@@ -147,7 +148,8 @@ class LLMEngine:
                 f"{self.max_model_len} tokens (prompt plus at least one generated token)")
         now = time.monotonic() if arrival_time is None else arrival_time
         request = Request(request_id, token_ids, params, now, self.model_config.eos_token_ids,
-                          priority=priority, program_id=program_id, cache_salt=cache_salt)
+                          priority=priority, program_id=program_id, cache_salt=cache_salt,
+                          latency_sensitive=latency_sensitive)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
         return RequestState(request, text, detok, RequestMetrics(arrival_time=now),
                             [] if params.logprobs is not None else None, tool_parser=tool_parser,

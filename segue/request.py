@@ -68,6 +68,10 @@ class Request:
     # Scheduling hints from the API; policies may read them.
     priority: int = 0
     program_id: str | None = None
+    # Parrot's objective: a plain API request is assumed latency-sensitive; a program call deduced
+    # to serve throughput (a task group of parallel map calls) is not, and may run in batches
+    # beyond the latency capacity (SchedulerConfig.latency_capacity_tokens).
+    latency_sensitive: bool = True
     # Prefix-cache namespace (a tenant): blocks hashed under different salts never match, so one
     # tenant cannot learn another's prompts from cache-hit timing.
     cache_salt: str | None = None

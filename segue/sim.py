@@ -240,7 +240,7 @@ def run_sim(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Stand-alone entry until `segue sim` is wired into segue/cli.py.
+    # `python -m segue.sim ...`, the same as `segue sim ...` (scripts patch and call this).
     p = argparse.ArgumentParser(prog="segue sim", description=__doc__)
     add_sim_args(p)
     return run_sim(p.parse_args(argv))

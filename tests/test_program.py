@@ -361,3 +361,56 @@ def test_client_reports_step_errors(server: ServerThread, scripted: tuple[Any, S
         with pytest.raises(ProgramStepError, match="not JSON") as info:
             bad("input").get(timeout=30)
         assert info.value.step is not None and info.value.step.startswith("call-")
+
+
+class _HoldingEngine:
+    """Keeps every request 'in the engine' until released; records hints and objective updates."""
+
+    def __init__(self) -> None:
+        import asyncio
+        self.release = asyncio.Event()
+        self.sent: dict[str, bool] = {}
+        self.updates: list[tuple[str, bool]] = []
+
+    async def generate(self, prompt: Any, params: Any, request_id: str, **hints: Any) -> Any:
+        from types import SimpleNamespace
+        self.sent[request_id] = hints["latency_sensitive"]
+        await self.release.wait()
+        yield SimpleNamespace(finished=True, prompt_token_ids=[1], num_cached_tokens=0,
+                              outputs=[SimpleNamespace(finish_reason="length", text=f"out-{request_id}")])
+
+    def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None:
+        self.updates.append((request_id, latency_sensitive))
+
+
+def test_launched_map_calls_learn_they_are_a_throughput_task_group() -> None:
+    """Map calls reach the engine before the reduce that groups them exists (a client submits
+    them first); once it does, the engine hears that they serve throughput."""
+    import asyncio
+
+    from segue.program.executor import ProgramExecutor
+    from segue.program.state import CallSpec
+    from segue.sampling_params import SamplingParams
+
+    async def run() -> _HoldingEngine:
+        engine = _HoldingEngine()
+        ex = ProgramExecutor(engine, share_prefix=False)
+        program = ex.create_program(None)
+        params = SamplingParams(max_tokens=4)
+        maps = [ex.submit(None, program.id, CallSpec(Template.parse(f"M{i} {{{{input:c}}}}:{{{{output:s{i}}}}}"), {},
+                                                     params, literals={"c": f"chunk {i}"}))
+                for i in range(3)]
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert engine.sent == {m.id: True for m in maps}  # nothing asks for them yet: latency by default
+        reduce = ex.submit(None, program.id,
+                           CallSpec(Template.parse("R {{input:s0}} {{input:s1}} {{input:s2}}:{{output:f}}"),
+                                    {f"s{i}": m.output.id for i, m in enumerate(maps)}, params),
+                           criteria=Criteria.LATENCY)
+        assert sorted(engine.updates) == sorted((m.id, False) for m in maps)
+        engine.release.set()
+        await asyncio.wait_for(reduce.task, 5)
+        assert engine.sent[reduce.id] is True
+        return engine
+
+    asyncio.run(run())

@@ -149,3 +149,41 @@ def test_watermark_keeps_headroom_for_running_requests():
     alone.add_request(Request("z", list(range(1, 50)), SamplingParams(max_tokens=4), 0.0))
     run_step(alone, 0.0)
     assert alone.requests["z"].status == RequestStatus.RUNNING
+
+
+def _capacity_scheduler(cap: int) -> Scheduler:
+    kv = KVCacheManager(4, 64, enable_prefix_caching=False)
+    cfg = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, latency_capacity_tokens=cap)
+    return Scheduler(cfg, kv, make_policy("fcfs"), max_model_len=200)
+
+
+def _add(sched: Scheduler, rid: str, prompt_len: int, latency_sensitive: bool) -> Request:
+    req = Request(rid, [1] * prompt_len, SamplingParams(max_tokens=4), 0.0, latency_sensitive=latency_sensitive)
+    sched.add_request(req)
+    return req
+
+
+def test_latency_capacity_caps_latency_sensitive_batches_and_not_task_groups():
+    """Parrot's capacity: plain (latency-sensitive) requests share a batch of at most the capacity's
+    tokens; a throughput task group alone fills the pool; a latency-sensitive arrival waits
+    behind a throughput batch that is over the capacity, and a lone request always runs."""
+    sched = _capacity_scheduler(40)
+    for i in range(3):
+        _add(sched, f"chat{i}", 16, True)
+    out = sched.schedule(0.0)
+    assert [s.request.request_id for s in out.seqs] == ["chat0", "chat1"]  # 32 tokens; a third makes 48
+
+    sched = _capacity_scheduler(40)
+    for i in range(3):
+        _add(sched, f"map{i}", 16, False)
+    out = sched.schedule(0.0)
+    assert len(out.seqs) == 3
+    sched.update_from_output(out, {s.request.request_id: 2 for s in out.seqs})
+    _add(sched, "chat", 4, True)
+    out = sched.schedule(0.1)
+    assert "chat" not in {s.request.request_id for s in out.seqs}
+    sched.check_invariants()
+
+    sched = _capacity_scheduler(8)
+    _add(sched, "long", 30, True)
+    assert [s.request.request_id for s in sched.schedule(0.0).seqs] == ["long"]

@@ -99,11 +99,32 @@ class ProgramExecutor:
         return var
 
     def mark(self, owner: str | None, var_id: str, criteria: Criteria) -> SemanticVariable:
-        """Record what the client optimizes for this variable; calls not yet launched use it."""
+        """Record what the client optimizes for this variable; calls not yet launched use it, and
+        launched ones learn whether they now serve throughput."""
         program, var = self.registry.variable(owner, var_id)
         var.mark(criteria)
         program.graph.set_criteria(var.id, var.criteria or criteria)
+        self._refresh_objectives(program)
         return var
+
+    def _refresh_objectives(self, program: Program) -> None:
+        """A map call reaches the engine as soon as its chunk is there, before the client has
+        submitted the reduce that makes the maps a throughput task group; tell the engine when a
+        launched call's objective changes, so its latency capacity stops holding the group back.
+        Engines without the hook (a pool of replicas) keep the objective a call launched with."""
+        update = getattr(self.engine, "set_latency_sensitive", None)
+        if update is None:
+            return
+        deduced = program.graph.deduce()
+        for call in program.calls.values():
+            objective = deduced.get(call.id)
+            if call.state is not CallState.RUNNING or objective is None:
+                continue
+            criteria = objective.criteria.value if objective.criteria else None
+            throughput = Criteria.THROUGHPUT.value
+            if (criteria == throughput) != (call.criteria == throughput):
+                call.criteria, call.task_group = criteria, objective.task_group
+                update(call.id, criteria != throughput)
 
     # ---- calls ---------------------------------------------------------------------------
     def submit(self, owner: str | None, program_id: str, spec: CallSpec,
@@ -144,6 +165,8 @@ class ProgramExecutor:
         program.calls[call.id] = call
         if criteria is not None:
             self.mark(owner, output.id, criteria)
+        else:
+            self._refresh_objectives(program)
         call.task = asyncio.get_running_loop().create_task(self._run(program, call), name=call.id)
         return call
 
@@ -194,7 +217,9 @@ class ProgramExecutor:
         try:
             final: RequestOutput | None = None
             async for out in self.engine.generate(prompt, params, request_id=call.id, priority=call.priority or 0,
-                                                  program_id=program.id, **program.hints):
+                                                  program_id=program.id,
+                                                  latency_sensitive=call.criteria != Criteria.THROUGHPUT.value,
+                                                  **program.hints):
                 released.set()  # the first output comes after the prompt's KV is computed and cached
                 final = out
         finally:

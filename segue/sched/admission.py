@@ -62,6 +62,7 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
             return False
         return sched.kv.allocate_slots(req, num_new, hits)
 
+    capacity = LatencyCapacity.of(sched)
     for req in list(sched.waiting):
         if budget <= 0 or len(sched.running) >= sched.config.max_num_seqs:
             break
@@ -69,6 +70,10 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
             continue  # swapped out by make_room for the blocked head
         if blocked is not None and not sched.kv.num_device_blocks_of(req.request_id):
             continue
+        if capacity is not None and not capacity.admits(req):
+            if preemptive:
+                continue
+            break  # over the latency capacity, requests queue in order (Parrot's baseline: FIFO)
         hits, num_hit = ([], 0)
         if req.num_computed_tokens == 0:
             hits, num_hit = sched.kv.get_computed_blocks(req)
@@ -97,6 +102,8 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
                 break
             blocked = None
         _admit(sched, req, num_new, num_hit, scheduled)
+        if capacity is not None:
+            capacity.add(req)
         budget -= num_new
         if decode:
             decode_room -= 1
@@ -109,6 +116,36 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
     admitted = {id(r) for r, _ in scheduled}
     sched.waiting = [r for r in sched.waiting if id(r) not in admitted]
     return budget
+
+
+@dataclass
+class LatencyCapacity:
+    """Parrot's capacity threshold: the tokens of all running requests' contexts. While any
+    latency-sensitive request runs (or would join), admission stays within
+    `latency_capacity_tokens`, because each decode step's time grows with the batch's tokens; a
+    batch of throughput work alone may fill the pool. A lone request always runs."""
+    limit: int
+    tokens: int
+    latency_running: bool
+    count: int
+
+    @classmethod
+    def of(cls, sched: Scheduler) -> LatencyCapacity | None:
+        limit = sched.config.latency_capacity_tokens
+        if limit is None:
+            return None
+        return cls(limit, sum(r.num_tokens for r in sched.running),
+                   any(r.latency_sensitive for r in sched.running), len(sched.running))
+
+    def admits(self, req: Request) -> bool:
+        if self.count == 0 or not (self.latency_running or req.latency_sensitive):
+            return True
+        return self.tokens + req.num_tokens <= self.limit
+
+    def add(self, req: Request) -> None:
+        self.tokens += req.num_tokens
+        self.latency_running = self.latency_running or req.latency_sensitive
+        self.count += 1
 
 
 def release_waiting_kv(sched: Scheduler, head: Request, need_blocks: int) -> bool:
