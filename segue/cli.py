@@ -6,7 +6,7 @@ import logging
 import sys
 
 from segue.cluster import DEFAULT_ENGINE_RESTARTS
-from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+from segue.config import CacheConfig, ConfigError, EngineConfig, ModelLoadConfig, SchedulerConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -192,9 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ConfigError as e:  # a bad flag value: say which, as argparse does, without a traceback
+        parser.exit(2, f"segue {args.command}: error: {e}\n")
 
 
 if __name__ == "__main__":
