@@ -201,6 +201,30 @@ def test_abort_frees_kv_on_the_replica(pool: EnginePool) -> None:
     assert_idle(pool)
 
 
+def _latency_sensitive(rid: str) -> Any:
+    return lambda llm: llm.scheduler.requests[rid].latency_sensitive
+
+
+def test_objective_updates_reach_the_replica(pool: EnginePool) -> None:
+    """A program call's objective can change after launch (its reduce arrived): the pool forwards
+    it to the replica holding the request, and keeps one that comes before placement."""
+    async def run() -> list[bool]:
+        seen = []
+        pool.set_latency_sensitive("obj-1", False)  # before the request exists
+        async for out in pool.generate(SYSTEM + "Go on and on.", SamplingParams(max_tokens=400, **GREEDY), "obj-1"):
+            if not seen:
+                seen.append(await pool.run_sync(_latency_sensitive("obj-1"), request_id="obj-1"))
+                pool.set_latency_sensitive("obj-1", True)
+            elif len(seen) == 1:
+                value = await pool.run_sync(_latency_sensitive("obj-1"), request_id="obj-1")
+                if value:  # applied between two steps
+                    seen.append(value)
+                    pool.abort("obj-1")
+        return seen
+    assert asyncio.run(run()) == [False, True]
+    assert_idle(pool)
+
+
 def test_detached_request_continues_on_its_replica(pool: EnginePool) -> None:
     parser = PauseOnce()
 

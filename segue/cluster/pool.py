@@ -51,6 +51,8 @@ class EnginePool:
         self._detached: set[str] = set()
         self._parsers: dict[str, Any] = {}
         self._prompts: dict[str, str] = {}
+        # Objectives updated before their request was placed (set_latency_sensitive).
+        self._early_objectives: dict[str, bool] = {}
 
     # ---- the AsyncLLMEngine interface ----------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
@@ -70,6 +72,8 @@ class EnginePool:
                                                   hints.get("cache_salt")))
         replica = self.replicas[decision.replica]
         self._owners[rid] = decision.replica
+        if rid in self._early_objectives:
+            hints["latency_sensitive"] = self._early_objectives.pop(rid)
         if hints.get("tool_parser") is not None:
             self._parsers[rid] = hints["tool_parser"]
         if isinstance(prompt, str):
@@ -101,6 +105,14 @@ class EnginePool:
     def forget_program(self, program_id: str) -> None:
         """A program or session ended: unbind it so the router stops steering to its replica."""
         self.router.forget_program(program_id)
+
+    def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None:
+        """Forwarded to the replica holding the request; one not yet placed takes it as a hint."""
+        index = self._owners.get(request_id)
+        if index is not None:
+            self.replicas[index].set_latency_sensitive(request_id, latency_sensitive)
+        elif len(self._early_objectives) < 10_000:
+            self._early_objectives[request_id] = latency_sensitive
 
     def abort(self, request_id: str) -> None:
         index = self._owners.get(request_id)

@@ -124,6 +124,9 @@ class EngineActor:
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
+    async def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None:
+        self.engine.set_latency_sensitive(request_id, latency_sensitive)
+
     async def run_sync(self, fn: Callable[["LLMEngine"], Any]) -> Any:
         return await self.engine.run_sync(fn)
 

@@ -156,6 +156,10 @@ class RayReplica(EngineReplica):
         self._detaching.pop(request_id, None)
         self.actor.abort.remote(request_id)
 
+    def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None:
+        # Fire and forget, like abort: a replica that is down has no request to update.
+        self.actor.set_latency_sensitive.remote(request_id, latency_sensitive)
+
     async def run_sync(self, fn: Callable[["LLMEngine"], Any]) -> Any:
         self._check_up()
         return await self._call(self.actor.run_sync.remote(fn))

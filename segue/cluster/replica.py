@@ -67,6 +67,10 @@ class EngineReplica(abc.ABC):
     def abort(self, request_id: str) -> None: ...
 
     @abc.abstractmethod
+    def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None:
+        """A program call's objective changed after launch (see AsyncLLMEngine)."""
+
+    @abc.abstractmethod
     async def run_sync(self, fn: Callable[["LLMEngine"], Any]) -> Any: ...
 
     @abc.abstractmethod

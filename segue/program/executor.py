@@ -109,9 +109,9 @@ class ProgramExecutor:
 
     def _refresh_objectives(self, program: Program) -> None:
         """A map call reaches the engine as soon as its chunk is there, before the client has
-        submitted the reduce that makes the maps a throughput task group; tell the engine when a
-        launched call's objective changes, so its latency capacity stops holding the group back.
-        Engines without the hook (a pool of replicas) keep the objective a call launched with."""
+        submitted the reduce that makes the maps a throughput task group; tell the engine (or the
+        pool, which forwards it) when a launched call's objective changes, so its latency capacity
+        stops holding the group back. An engine without the hook keeps the launch objective."""
         update = getattr(self.engine, "set_latency_sensitive", None)
         if update is None:
             return
