@@ -24,6 +24,13 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+def remember_early(early: dict[str, bool], request_id: str, latency_sensitive: bool, limit: int = 10_000) -> None:
+    """Keep an objective for a request not seen yet, dropping the oldest past `limit`."""
+    if request_id not in early and len(early) >= limit:
+        early.pop(next(iter(early)))
+    early[request_id] = latency_sensitive
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -140,8 +147,8 @@ class AsyncLLMEngine:
             request = self.engine.scheduler.requests.get(request_id)
             if request is not None:
                 request.latency_sensitive = latency_sensitive
-            elif request_id in self._streams or len(self._early_objectives) < 10_000:
-                self._early_objectives[request_id] = latency_sensitive
+            else:  # bounded: an update for a request that already left is never claimed
+                remember_early(self._early_objectives, request_id, latency_sensitive)
         self._submit(op)
 
     def forget_program(self, program_id: str) -> None:

@@ -23,7 +23,7 @@ import logging
 import uuid
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from segue.async_engine import EngineDeadError
+from segue.async_engine import EngineDeadError, remember_early
 from segue.cluster.front import ModelFront
 from segue.cluster.merge import merge_results
 from segue.cluster.replica import EngineReplica, ReplicaOutput
@@ -111,8 +111,8 @@ class EnginePool:
         index = self._owners.get(request_id)
         if index is not None:
             self.replicas[index].set_latency_sensitive(request_id, latency_sensitive)
-        elif len(self._early_objectives) < 10_000:
-            self._early_objectives[request_id] = latency_sensitive
+        else:
+            remember_early(self._early_objectives, request_id, latency_sensitive)
 
     def abort(self, request_id: str) -> None:
         index = self._owners.get(request_id)

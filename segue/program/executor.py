@@ -118,7 +118,9 @@ class ProgramExecutor:
         deduced = program.graph.deduce()
         for call in program.calls.values():
             objective = deduced.get(call.id)
-            if call.state is not CallState.RUNNING or objective is None:
+            # Launched: its objective was taken when its inputs were ready (it may still be rendering).
+            launched = "ready" in call.times and call.state in (CallState.WAITING, CallState.RUNNING)
+            if not launched or objective is None:
                 continue
             criteria = objective.criteria.value if objective.criteria else None
             throughput = Criteria.THROUGHPUT.value
