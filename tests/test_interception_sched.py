@@ -152,6 +152,7 @@ def test_resumed_preserved_context_rejoins_the_running_requests_under_a_non_fcfs
     out = sched.schedule(0.3)
     sched.check_invariants()
     [seq] = out.seqs
-    assert seq.request is long and seq.start_pos == 20 and seq.num_tokens == 3, "the resumed context runs on from its KV"
+    # It runs on from its KV: the 20 computed tokens stay, the sampled one and the 2 appended are new.
+    assert seq.request is long and seq.start_pos == 20 and seq.num_tokens == 3
     assert long.num_preemptions == 0 and long.status == RequestStatus.RUNNING
     assert new.status == RequestStatus.WAITING
