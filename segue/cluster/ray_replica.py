@@ -5,8 +5,9 @@ Streams are Ray streaming generators (num_returns="streaming") of (RequestOutput
 pairs, each tagged with the actor's incarnation. Leaving a stream early aborts the request and
 cancels the actor's generator. Detaching a request ends its stream on the actor itself, and the
 detach call returns only once that stream is closed: the next turn's continue_request can never
-find the old stream still open, and no cancel can race the detach into an abort. Errors come back as the engine raised them
-(InvalidRequestError stays a 400); a dead actor becomes EngineDeadError and marks the replica down.
+find the old stream still open, and no cancel can race the detach into an abort. Errors come
+back as the engine raised them (InvalidRequestError stays a 400); a dead actor becomes
+EngineDeadError and marks the replica down.
 
 Actors have `max_restarts`: Ray rebuilds a crashed one, and the replica comes back up once its ping
 answers (ray_health.py). Calls to a replica that is down fail at once with EngineDeadError rather
