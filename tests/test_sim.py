@@ -208,7 +208,7 @@ def test_oracle_predictions_are_the_scripts_truth():
 
 def test_a_step_that_only_preempts_is_not_idle() -> None:
     # A non-preemptive scheduler can spend a step preempting its only running request (its next
-    # block held by waiting requests) and admit nobody until the next step; a driver that waits
+    # block held by paused requests) and admit nobody until the next step; a driver that waits
     # for an event after an idle step would report a deadlock that is not there.
     engine = make_sim_engine(PRESETS["gptj-6b-a100"], 4096, EngineConfig())
     req = engine.add_request("r0", [1] * 8, SamplingParams(max_tokens=4))
