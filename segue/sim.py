@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shlex
 import sys
 import time
@@ -124,14 +123,16 @@ def load_workload(args: argparse.Namespace, max_model_len: int) -> tuple[list[An
 
 
 def draw(trace: list[Any], n: int, rate: float, args: argparse.Namespace) -> tuple[list[Any], list[float]]:
-    """The same requests and arrivals for every policy at one rate (string seeds are stable)."""
-    from segue.bench.replay import gamma_arrivals, poisson_arrivals, sample_requests
+    """The same requests (drawn with replacement) and arrivals for every policy at one rate; each
+    rate has its own seeded draw."""
+    import numpy as np
 
-    rng = random.Random(f"{args.seed}/{rate}")
-    reqs = sample_requests(trace, n, rng)
-    arrivals = (gamma_arrivals(n, rate, args.cv, rng) if args.arrival == "gamma"
-                else poisson_arrivals(n, rate, rng))
-    return reqs, arrivals
+    from segue.bench.arrivals import ArrivalProcess
+
+    rng = np.random.default_rng([args.seed, round(rate * 1000)])
+    picks = rng.integers(0, len(trace), size=n)
+    arrivals = ArrivalProcess(rate, args.arrival, args.cv).times(n, rng)
+    return [trace[int(i)] for i in picks], arrivals
 
 
 def plot_latency_vs_rate(rows: list[dict[str, Any]], path: str, title: str) -> None:

@@ -1,12 +1,12 @@
 """The simulator: virtual-clock step costs, and trace replay through the real scheduler on it."""
 from __future__ import annotations
 
-import random
-
+import numpy as np
 import pytest
 
 from segue.bench.metrics import normalized_latency
-from segue.bench.replay import gamma_arrivals, poisson_arrivals, replay, sample_requests
+from segue.bench.arrivals import ArrivalProcess
+from segue.bench.replay import replay
 from segue.bench.workloads.infercept import load_infercept
 from segue.bench.workloads.trace_request import TraceRequest
 from segue.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -76,11 +76,10 @@ def test_copies_without_compute_are_all_stall():
     assert clock() == pytest.approx(GPTJ.t_swap(48)) and ex.last_swap_seconds == pytest.approx(GPTJ.t_swap(48))
 
 
-def test_arrival_processes():
-    rng = random.Random(0)
-    for arrivals in (poisson_arrivals(4000, 2.0, rng), gamma_arrivals(4000, 2.0, 3.0, rng)):
-        assert arrivals == sorted(arrivals)
-        assert len(arrivals) / arrivals[-1] == pytest.approx(2.0, rel=0.15)
+def _draw(trace, n: int, rate: float, seed: int):
+    """n trace requests drawn with replacement and their Poisson arrivals."""
+    rng = np.random.default_rng(seed)
+    return [trace[int(i)] for i in rng.integers(0, len(trace), size=n)], ArrivalProcess(rate).times(n, rng)
 
 
 def _engine(policy: str, kv_tokens: int, batched: int = 384):
@@ -117,9 +116,7 @@ def trace() -> list[TraceRequest]:
 
 @pytest.mark.parametrize("policy", sorted(INTERCEPTION_POLICIES))
 def test_small_replay_finishes_without_leaks(trace, policy):
-    rng = random.Random(1)
-    reqs = sample_requests(trace, 30, rng)
-    arrivals = poisson_arrivals(30, 2.0, rng)
+    reqs, arrivals = _draw(trace, 30, 2.0, 1)
     # A pool of ~6 average contexts, so dispositions, swaps and memory pressure all happen.
     engine = _engine(policy, kv_tokens=6144)
     res, finished = _checked_replay(engine, reqs, arrivals)
@@ -150,18 +147,17 @@ def test_normalized_latency_excludes_interceptions():
     assert normalized_latency(rec) < 0.1
 
 
-# A pool of ~12 average contexts at 6 req/s: discard preempts and recomputes a lot. The ordering
-# held for 5 of 5 seeds here, but not in every setting (at 16384 tokens and 10 req/s, 2 of 5).
+# A pool of ~12 average contexts at 6 req/s: discard preempts and recomputes a lot. In a window
+# this short the ordering is a tendency, not a law: it held for seeds 0-2 of 0-4 here (for 5 of 5
+# with the earlier draws from Python's random), and for 2 of 5 at 16384 tokens and 10 req/s.
 PRESSURE = dict(requests=120, rate=6.0, kv_tokens=12288, seed=1)
 
 
 def test_min_waste_not_worse_than_discard_under_pressure(trace):
     """InferCept's claim in miniature: with a pool too small for the offered load, min-waste's
     normalized latency does not exceed discard's on the same requests and arrivals."""
-    rng = random.Random(PRESSURE["seed"])
     n = PRESSURE["requests"]
-    reqs = sample_requests(trace, n, rng)
-    arrivals = poisson_arrivals(n, PRESSURE["rate"], rng)
+    reqs, arrivals = _draw(trace, n, PRESSURE["rate"], PRESSURE["seed"])
     means, preemptions = {}, {}
     for policy in ("discard", "min-waste"):
         engine = _engine(policy, kv_tokens=PRESSURE["kv_tokens"])
@@ -174,9 +170,7 @@ def test_min_waste_not_worse_than_discard_under_pressure(trace):
 
 
 def test_swap_policy_does_not_deadlock_under_pressure(trace):
-    rng = random.Random(3)
-    reqs = sample_requests(trace, 120, rng)
-    arrivals = poisson_arrivals(120, 4.0, rng)
+    reqs, arrivals = _draw(trace, 120, 4.0, 3)
     engine = _engine("swap", kv_tokens=8192)
     res = replay(engine, reqs, arrivals, engine.clock.advance_to)
     assert not res.stalled and res.num_finished == 120

@@ -17,36 +17,6 @@ from segue.sampling_params import SamplingParams
 from segue.sched.waste import WasteTotals
 
 
-# ---- arrival processes ---------------------------------------------------------------------
-def poisson_arrivals(n: int, rate: float, rng: random.Random) -> list[float]:
-    """Offsets (s) of n arrivals with exponential gaps of mean 1/rate."""
-    if rate <= 0:
-        raise ValueError("rate must be positive")
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        out.append(t)
-    return out
-
-
-def gamma_arrivals(n: int, rate: float, cv: float, rng: random.Random) -> list[float]:
-    """Gamma gaps with mean 1/rate and coefficient of variation cv (cv=1 is Poisson; >1 bursty)."""
-    if rate <= 0 or cv <= 0:
-        raise ValueError("rate and cv must be positive")
-    shape = 1.0 / (cv * cv)
-    scale = 1.0 / (rate * shape)
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.gammavariate(shape, scale)
-        out.append(t)
-    return out
-
-
-def sample_requests(trace: Sequence[TraceRequest], n: int, rng: random.Random) -> list[TraceRequest]:
-    """n requests drawn from the trace with replacement (a window longer than the trace)."""
-    return rng.choices(list(trace), k=n)
-
-
 # ---- the driver ----------------------------------------------------------------------------
 @dataclass
 class ReplayResult:
