@@ -164,6 +164,7 @@ def test_enst_prefers_the_request_about_to_be_promoted():
     now = 100.0
     policy.entries["y"].level, policy.entries["y"].last_served = 2, now
     policy.entries["z"].level, policy.entries["z"].last_served = 3, now - 9.99
+    policy.on_step(now)  # recounts the queues after the hand-made moves
     enst = policy.enst([x, y, z], now)
     assert enst["x"] == 0.0  # nothing above the top queue
     assert enst["y"] == pytest.approx(1.0 + 2.0)  # x runs down through q_0 and q_1 first
@@ -255,6 +256,17 @@ def test_reserve_swaps_out_pending_requests_and_brings_them_back():
         assert r.output_token_ids == expected_output(r.prompt_token_ids, 6, set())
 
 
+def _assert_enst_sums_current(policy: MLFQPolicy) -> None:
+    """The per-queue sums the hooks keep for ENST equal a recount over every entry."""
+    count, standing = [0] * len(policy.quanta), [0.0] * len(policy.quanta)
+    for e in policy.entries.values():
+        if not e.paused:
+            count[e.level] += 1
+            standing[e.level] += policy._prefix[e.level] + e.attained_s
+    assert policy._count == count
+    assert policy._standing == pytest.approx(standing, abs=1e-9)
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), num_blocks=st.integers(12, 40), host_blocks=st.integers(0, 40),
        interception=st.sampled_from(["preserve", "discard", "swap", "min-waste"]),
@@ -303,8 +315,10 @@ def test_random_mlfq_runs_keep_kv_correct(seed, num_blocks, host_blocks, interce
             sched.intercept_request(r, now, tool="t", expected_s=rng.choice([None, 0.05]))
             pending_resume.append((now + rng.choice([0.0, 0.02, 0.2]), r, tool_tokens(r, k)))
         sched.check_invariants()
+        _assert_enst_sums_current(sched.policy)
     assert not sched.has_unfinished_requests(), "requests left unfinished"
     assert sched.kv.num_held_blocks() == 0 and not sched.kv.host_tables
+    assert sched.policy._count == [0] * len(sched.policy.quanta)
     for r in reqs:
         assert r.status == RequestStatus.FINISHED_LENGTH
         assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling_params.max_tokens,

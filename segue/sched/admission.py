@@ -45,8 +45,7 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
     # mean end-to-end latency 27% above FCFS's; with half the budget, 6% below; BENCHMARKS.md).
     decode_room = 0
     if preemptive:
-        decode_room = min(int(budget * sched.policy.decode_share),
-                          sum(1 for r in sched.waiting if _is_resident_decode(sched, r)))
+        decode_room = _count_resident_decodes(sched, int(budget * sched.policy.decode_share))
     mark = int(sched.config.watermark * sched.kv.device.num_blocks)
 
     def headroom(req: Request) -> int:
@@ -186,6 +185,18 @@ def _admit(sched: Scheduler, req: Request, num_new: int, num_hit: int,
     scheduled.append((req, num_new))
 
 
+def _count_resident_decodes(sched: Scheduler, limit: int) -> int:
+    """How many waiting requests are resident decodes, counting no further than `limit` (an
+    overloaded queue holds thousands, and this runs every step)."""
+    count = 0
+    for req in sched.waiting:
+        if count >= limit:
+            break
+        count += _is_resident_decode(sched, req)
+    return count
+
+
 def _is_resident_decode(sched: Scheduler, req: Request) -> bool:
-    return (req.status != RequestStatus.SWAPPED and req.num_tokens - req.num_computed_tokens == 1
-            and sched.kv.num_device_blocks_of(req.request_id) > 0)
+    # Cheapest test first: under overload most waiting requests have computed nothing.
+    return (req.num_computed_tokens > 0 and req.status != RequestStatus.SWAPPED
+            and req.num_tokens - req.num_computed_tokens == 1 and sched.kv.num_device_blocks_of(req.request_id) > 0)

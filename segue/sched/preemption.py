@@ -78,20 +78,22 @@ def keep_reserve(sched: Scheduler, out: SchedulerOutput, reserve: int, now: floa
     swapping out the requests that wait the longest, within what the link moves during this
     step so the copies hide behind its compute. Requests go out whole or not at all."""
     budget = swap_budget_blocks(sched, out)
-    if budget <= 0 or sched.kv.host is None:
-        return
+    if budget <= 0 or sched.kv.host is None or sched.kv.host.num_free_blocks == 0:
+        return  # nothing can move this step; ranking an overloaded queue would be wasted work
     on_host = [r for r in sched.paused.swapped if sched.kv.num_host_blocks_of(r.request_id)]
     resident = [r for r in sched.waiting + sched.paused.swapped if sched.kv.num_device_blocks_of(r.request_id)]
+    waiting_resident = [r for r in resident if r.status != RequestStatus.SWAPPED]
+    # Blocks swapped out this step are free by the next one, except those earmarked for a head.
+    deficit = reserve - (sched.kv.num_free_blocks + len(out.blocks_to_swap_out) - sched.earmarked_blocks)
+    if deficit <= 0 and not (on_host and waiting_resident):
+        return
     victims = sched.policy.preemption_order(list({id(r): r for r in resident + on_host}.values()), now)
     rank = {id(r): i for i, r in enumerate(victims)}
-    waiting_resident = [r for r in resident if r.status != RequestStatus.SWAPPED]
     best_on_host, room_for_it = None, 0
     if on_host and waiting_resident:
         best_on_host = max(on_host, key=lambda r: rank[id(r)])
         if rank[id(best_on_host)] > min(rank[id(r)] for r in waiting_resident):
             room_for_it = sched.kv.num_host_blocks_of(best_on_host.request_id)
-    # Blocks swapped out this step are free by the next one, except those earmarked for a head.
-    deficit = reserve - (sched.kv.num_free_blocks + len(out.blocks_to_swap_out) - sched.earmarked_blocks)
     for req in victims:
         if req is best_on_host:
             room_for_it = 0  # the rest rank above it: they only give way to the reserve

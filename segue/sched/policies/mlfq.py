@@ -85,7 +85,16 @@ class MLFQPolicy(SchedulingPolicy):
         self.decode_share = self.options.decode_share
         base = self.options.base_quantum_s or self.context.cost.t_fwd(1)
         self.quanta = [base * 2**k for k in range(self.options.num_queues)]
+        # prefix[k] = q_0 + ... + q_{k-1}: the service a request has received on reaching queue k.
+        self._prefix = [0.0]
+        for q in self.quanta:
+            self._prefix.append(self._prefix[-1] + q)
         self.entries: dict[str, QueueEntry] = {}
+        # Per queue, over the requests not paused: how many, and the sum of prefix[k] + attained
+        # (where they stand). ENST needs both for every eviction decision; they are rebuilt in
+        # on_step and kept current by the hooks, so no decision scans every entry.
+        self._count = [0] * len(self.quanta)
+        self._standing = [0.0] * len(self.quanta)
         self._tickets = 0
         # Requests served in the previous step: the batch size B of FastServe's ENST.
         self._served_this_step = 0
@@ -101,17 +110,26 @@ class MLFQPolicy(SchedulingPolicy):
         return len(self.quanta) - 1
 
     def _enter(self, entry: QueueEntry, level: int) -> None:
-        entry.level = level
-        entry.attained_s = 0.0
-        entry.ticket = self._tickets
+        self._tally(entry, -1)
+        entry.level, entry.attained_s, entry.ticket = level, 0.0, self._take_ticket()
+        self._tally(entry, +1)
+
+    def _take_ticket(self) -> int:
         self._tickets += 1
+        return self._tickets - 1
+
+    def _tally(self, entry: QueueEntry, sign: int) -> None:
+        """Add (+1) or remove (-1) an entry's share of the per-queue ENST sums."""
+        if not entry.paused:
+            self._count[entry.level] += sign
+            self._standing[entry.level] += sign * (self._prefix[entry.level] + entry.attained_s)
 
     def on_arrival(self, request: Request, now: float) -> None:
         prefill = request.num_tokens - request.num_computed_tokens
         level = self.level_for(self.context.cost.t_fwd(prefill)) if self.options.skip_join else 0
-        entry = QueueEntry(level, 0, 0.0, now)
-        self._enter(entry, level)
+        entry = QueueEntry(level, self._take_ticket(), 0.0, now)
         self.entries[request.request_id] = entry
+        self._tally(entry, +1)
         self._arrivals.append((now, request.num_prompt_tokens))
 
     def key(self, request: Request, now: float) -> tuple[int, int, int]:
@@ -125,10 +143,18 @@ class MLFQPolicy(SchedulingPolicy):
         self._batch_size = max(1, self._served_this_step)
         self._served_this_step = 0
         limit = self.options.starvation_limit_s
+        # Rebuilt from scratch once a step (inline: this loop visits every request), so the
+        # hooks' float updates never drift.
+        count, standing, prefix = [0] * len(self.quanta), [0.0] * len(self.quanta), self._prefix
         for entry in self.entries.values():
-            if not entry.paused and entry.level > 0 and now - entry.last_served >= limit - _EPS:
-                self._enter(entry, 0)
+            if entry.paused:
+                continue
+            if entry.level > 0 and now - entry.last_served >= limit - _EPS:
+                entry.level, entry.attained_s, entry.ticket = 0, 0.0, self._take_ticket()
                 entry.last_served = now
+            count[entry.level] += 1
+            standing[entry.level] += prefix[entry.level] + entry.attained_s
+        self._count, self._standing = count, standing
 
     def on_scheduled(self, request: Request, num_tokens: int, now: float) -> None:
         entry = self.entries.get(request.request_id)
@@ -143,7 +169,10 @@ class MLFQPolicy(SchedulingPolicy):
         if fresh <= 0:
             return
         cost = self.context.cost
-        entry.attained_s += cost.t_fwd(fresh)
+        served = cost.t_fwd(fresh)
+        entry.attained_s += served
+        if not entry.paused:
+            self._standing[entry.level] += served
         if entry.attained_s + _EPS < self.quanta[entry.level] or entry.level == len(self.quanta) - 1:
             return
         # Called before the step's tokens count as computed: what is left after it is either
@@ -154,42 +183,37 @@ class MLFQPolicy(SchedulingPolicy):
 
     def on_intercepted(self, request: Request, now: float) -> None:
         entry = self.entries.get(request.request_id)
-        if entry is not None:
+        if entry is not None and not entry.paused:
+            self._tally(entry, -1)
             entry.paused = True
 
     def on_resumed(self, request: Request, now: float) -> None:
         entry = self.entries.get(request.request_id)
         if entry is not None:
             # The tool time is not starvation: the wait for service starts now.
-            entry.paused = False
+            if entry.paused:
+                entry.paused = False
+                self._tally(entry, +1)
             entry.last_served = now
 
     def on_finished(self, request: Request, now: float) -> None:
-        self.entries.pop(request.request_id, None)
+        entry = self.entries.pop(request.request_id, None)
+        if entry is not None:
+            self._tally(entry, -1)
 
     # ---- proactive KV management (§4.2) --------------------------------------------------
     def enst(self, requests: list[Request], now: float) -> dict[str, float]:
         """Estimated next scheduled time, seconds from now: min(T_promote, T_execute), where
         T_execute assumes every request in a higher queue runs down to this one's queue before
         this one runs, B at a time."""
-        n = len(self.quanta)
-        # prefix[k] = q_0 + ... + q_{k-1}
-        prefix = [0.0]
-        for q in self.quanta:
-            prefix.append(prefix[-1] + q)
-        count = [0] * n
-        start = [0.0] * n  # sum over queue k of (prefix[k] + attained): where its members stand
-        for entry in self.entries.values():
-            if not entry.paused:
-                count[entry.level] += 1
-                start[entry.level] += prefix[entry.level] + entry.attained_s
+        n, prefix = len(self.quanta), self._prefix
         out = {}
         ahead_count, ahead_start = 0, 0.0
         by_level = [(0, 0.0)] * n
         for k in range(n):
             by_level[k] = (ahead_count, ahead_start)
-            ahead_count += count[k]
-            ahead_start += start[k]
+            ahead_count += self._count[k]
+            ahead_start += self._standing[k]
         for req in requests:
             entry = self.entries.get(req.request_id)
             if entry is None:
