@@ -4,18 +4,18 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from segue.config import EngineConfig
 from segue.detokenizer import IncrementalDetokenizer
 from segue.executor.base import Executor
+from segue.executor.loading import engine_cost_model, load_model
 from segue.kv.manager import KVCacheManager
 from segue.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from segue.request_state import RequestState
 from segue.predict import OnlinePredictors
 from segue.request import Request, RequestStatus
 from segue.sampling_params import InvalidRequestError, SamplingParams
-from segue.sched.cost_model import CostModel, default_profile_path
 from segue.sched.interception import make_interception_policy
 from segue.sched.output import SchedulerOutput
 from segue.sched.policies import PolicyContext, make_policy
@@ -27,25 +27,6 @@ from segue.trace import TraceReplayer, TraceSegment
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class RequestState:
-    request: Request
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer
-    metrics: RequestMetrics
-    logprobs: list[TokenLogprob] | None = field(default=None)
-    # Text of the generated segments before the last interception (tool results excluded).
-    text_before: str = ""
-    # Detects tool calls in the output (requests that may call tools); None: never intercept.
-    tool_parser: Any = None
-    tool_calls: list | None = None
-    # The client's hint of how long its tool calls take (extra_body expected_tool_seconds).
-    expected_tool_s: float | None = None
-    # Paused at the end of a turn (pause_on_stop, pause_on_length): the turn is over, its output
-    # reads as finished with this reason ("stop" or "length").
-    turn_end: str | None = None
-
-
 class LLMEngine:
     """Synchronous engine. Not thread-safe: AsyncLLMEngine owns one and drives it from a thread."""
 
@@ -55,7 +36,7 @@ class LLMEngine:
         config.validate()
         self.config = config
         if executor is None:
-            executor, tokenizer, model_config, model_name, chat_template = self._load(config)
+            executor, tokenizer, model_config, model_name, chat_template = load_model(config)
         self.executor = executor
         self.tokenizer = tokenizer
         self.model_config = model_config
@@ -66,7 +47,7 @@ class LLMEngine:
                                  model_config.max_position_embeddings, pool_tokens)
         kv = KVCacheManager(executor.block_size, executor.num_device_blocks, executor.num_host_blocks,
                             config.cache.enable_prefix_caching, config.cache.prefix_cache_salt)
-        self.cost_model = self._load_cost_model(config, executor)
+        self.cost_model = engine_cost_model(config, executor)
         self.tool_stats = DurationStats()
         self.predictors = OnlinePredictors(config.predictor, self.tool_stats, executor)
         interception = make_interception_policy(config.scheduler.interception_policy)
@@ -82,36 +63,6 @@ class LLMEngine:
         self._states: dict[str, RequestState] = {}
         self.num_steps = 0
         self.last_step_idle = True
-
-    @staticmethod
-    def _load_cost_model(config: EngineConfig, executor: Executor) -> CostModel:
-        device = getattr(executor, "device_name", "cpu")
-        path = config.scheduler.profile_path or default_profile_path(device)
-        try:
-            cost = CostModel.load(path)
-        except FileNotFoundError:
-            if config.scheduler.profile_path:
-                raise
-            cost = CostModel(device=device)
-        kv_bytes = getattr(executor, "kv_bytes_per_token", None)
-        if kv_bytes:
-            cost.kv_bytes_per_token = kv_bytes
-        return cost
-
-    @staticmethod
-    def _load(config: EngineConfig):
-        import torch
-
-        from segue.executor.model_executor import ModelExecutor, resolve_device, resolve_dtype
-        from segue.model.loader import load_checkpoint
-
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        device = resolve_device(config.model.device)
-        dtype = resolve_dtype(config.model.dtype, device)
-        ckpt = load_checkpoint(config.model.model, dtype=dtype)
-        executor = ModelExecutor(ckpt, config.cache, device, dtype)
-        return executor, ckpt.tokenizer, ckpt.config, ckpt.name, ckpt.chat_template
 
     # ---- requests ------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,

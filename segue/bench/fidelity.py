@@ -16,7 +16,6 @@ import argparse
 import copy
 import json
 import os
-import sys
 import tempfile
 from typing import Any
 
@@ -77,11 +76,12 @@ def run(args: argparse.Namespace) -> int:
     from segue.bench.workloads.registry import WorkloadSpec, arrivals_for, make_requests
     from segue.cli import engine_config_from_args
     from segue.engine import LLMEngine
+    from segue.executor.loading import load_model
     from segue.executor.sim_executor import make_sim_engine
     from segue.sched.cost_model import CostModel
 
     base = engine_config_from_args(args)
-    executor, tokenizer, model_config, model_name, template = LLMEngine._load(base)
+    executor, tokenizer, model_config, model_name, template = load_model(base)
 
     def engine_for(config: Any) -> LLMEngine:
         return LLMEngine(config, executor=executor, tokenizer=tokenizer, model_config=model_config,

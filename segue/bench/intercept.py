@@ -42,12 +42,13 @@ def run(args: argparse.Namespace) -> int:
     from segue.bench.replay import real_clock_wait, render_markdown, replay
     from segue.cli import engine_config_from_args
     from segue.engine import LLMEngine
+    from segue.executor.loading import load_model
     from segue.sim import draw, load_workload
 
     base = engine_config_from_args(args)
     # Load the model once; every (policy, rate) run gets a fresh engine (scheduler, KV manager,
     # statistics) over the same executor, whose stale KV contents no block table points at.
-    loaded = LLMEngine._load(base)
+    loaded = load_model(base)
     executor, tokenizer, model_config, model_name, chat_template = loaded
 
     def make_engine(policy: str) -> LLMEngine:

@@ -112,12 +112,13 @@ class LiveServer:
 def run(args: argparse.Namespace) -> int:
     from segue.cli import engine_config_from_args
     from segue.engine import LLMEngine
+    from segue.executor.loading import load_model
 
     skip = set(filter(None, args.skip.split(",")))
     if skip - set(PARTS):
         raise SystemExit(f"--skip: unknown parts {sorted(skip - set(PARTS))}; the parts are {', '.join(PARTS)}")
     base = engine_config_from_args(args)
-    executor, tokenizer, model_config, model_name, chat_template = LLMEngine._load(base)
+    executor, tokenizer, model_config, model_name, chat_template = load_model(base)
     forward = ForwardTimer(executor)
 
     def factory(prefix_caching: bool = True) -> Callable[[], Any]:

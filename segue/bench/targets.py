@@ -139,11 +139,12 @@ class Runner:
         from segue.bench.intercept import _warm_up
         from segue.cli import engine_config_from_args
         from segue.engine import LLMEngine
+        from segue.executor.loading import load_model
 
         base = engine_config_from_args(self.args)
         first = self._loaded is None
         if first:
-            self._loaded = LLMEngine._load(base)
+            self._loaded = load_model(base)
         executor, tokenizer, model_config, model_name, chat_template = self._loaded
         config = copy.deepcopy(base)
         config.scheduler.policy = cfg.policy or config.scheduler.policy
