@@ -12,9 +12,9 @@ from segue.executor.base import Executor
 from segue.executor.loading import engine_cost_model, load_model
 from segue.kv.manager import KVCacheManager
 from segue.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from segue.request_state import RequestState
 from segue.predict import OnlinePredictors
 from segue.request import Request, RequestStatus
+from segue.request_state import RequestState
 from segue.sampling_params import InvalidRequestError, SamplingParams
 from segue.sched.interception import make_interception_policy
 from segue.sched.output import SchedulerOutput
