@@ -122,16 +122,17 @@ def load_workload(args: argparse.Namespace, max_model_len: int) -> tuple[list[An
     return kept, dropped
 
 
-def draw(trace: list[Any], n: int, rate: float, args: argparse.Namespace) -> tuple[list[Any], list[float]]:
+def draw(trace: list[Any], n: int, rate: float, seed: int, arrival: str = "poisson",
+         cv: float = 1.0) -> tuple[list[Any], list[float]]:
     """The same requests (drawn with replacement) and arrivals for every policy at one rate; each
     rate has its own seeded draw."""
     import numpy as np
 
     from segue.bench.arrivals import ArrivalProcess
 
-    rng = np.random.default_rng([args.seed, round(rate * 1000)])
+    rng = np.random.default_rng([seed, round(rate * 1000)])
     picks = rng.integers(0, len(trace), size=n)
-    arrivals = ArrivalProcess(rate, args.arrival, args.cv).times(n, rng)
+    arrivals = ArrivalProcess(rate, arrival, cv).times(n, rng)  # type: ignore[arg-type]
     return [trace[int(i)] for i in picks], arrivals
 
 
@@ -191,7 +192,7 @@ def run_sim(args: argparse.Namespace) -> int:
     steps = 0
     for rate in rates:
         n = args.num_requests or max(1, round(rate * args.duration_s))
-        reqs, arrivals = draw(trace, n, rate, args)
+        reqs, arrivals = draw(trace, n, rate, args.seed, args.arrival, args.cv)
         for name in args.interception_policies:
             config = EngineConfig(
                 cache=CacheConfig(block_size=bs, kv_cache_tokens=kv_tokens, swap_space_tokens=swap_tokens,

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     rates = args.rates or [1.0]
     rows: list[dict[str, Any]] = []
     for rate in rates:
-        reqs, arrivals = draw(trace, args.num_requests, rate, args)
+        reqs, arrivals = draw(trace, args.num_requests, rate, args.seed, args.arrival, args.cv)
         for policy in args.interception_policies:
             engine = make_engine(policy)
             res = replay(engine, reqs, arrivals, real_clock_wait, seed=args.seed, progress=not args.no_progress,
