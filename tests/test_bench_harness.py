@@ -229,11 +229,17 @@ def test_fidelity_runs_real_and_sim(tiny_model, tmp_path, restore_torch_threads)
                "--profile-each-rate", "--output-json", str(out), "--no-progress"])
     assert rc == 0
     rep = json.loads(out.read_text())
-    assert rep["cost_source"] == "profiled right before each rate"
+    assert rep["cost_source"] == "profiled before and after each rate"
     first, run = rep["runs"]
-    # Each rate ran on its own fresh profile (timings of two profiles never agree to the last bit).
+    # Each rate ran on its own fresh profiles (timings of two profiles never agree to the last bit);
+    # the one after the first rate is the one before the second, and the simulator charged the mean.
     assert first["cost_model"]["fwd_curve_ms"] and run["cost_model"]["fwd_curve_ms"]
     assert first["cost_model"] != run["cost_model"]
+    assert first["cost_model_after"] != run["cost_model_after"]
+    before, after = first["cost_model_after"], run["cost_model_after"]
+    assert run["cost_model"]["fwd_base_ms"] == pytest.approx((before["fwd_base_ms"] + after["fwd_base_ms"]) / 2)
+    assert set(run["drift"]) == {"1", "16", "128", "512"}
+    assert run["sim_before"]["finished"] == 6 and "sim_before_error" in run
     assert run["real"]["finished"] == run["sim"]["finished"] == 6
     assert run["real"]["output_throughput"] > 0 and run["sim"]["output_throughput"] > 0
     err = run["sim_error"]["output_throughput"]

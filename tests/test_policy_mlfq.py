@@ -17,6 +17,7 @@ from segue.sched.cost_model import CostModel
 from segue.sched.interception import make_interception_policy
 from segue.sched.policies import PolicyContext, make_policy
 from segue.sched.policies.mlfq import MLFQPolicy
+from segue.sched.request_queue import RequestQueue
 from segue.sched.scheduler import Scheduler
 
 BS = 4
@@ -154,6 +155,21 @@ def test_long_request_survives_an_adversarial_stream(limit_s, finishes):
         assert not long.is_finished and long.num_generated_tokens < 30
 
 
+def place(policy: MLFQPolicy, request_id: str, level: int, last_served: float | None = None) -> None:
+    """Hand-place a request in a queue for a test's setup, keeping its ticket (its FIFO place)."""
+    entry = policy.entries[request_id]
+    policy._tally(entry, -1)
+    del policy._queues[entry.level][request_id]
+    entry.level = level
+    queue = policy._queues[level]
+    ordered = sorted([*queue, request_id], key=lambda rid: policy.entries[rid].ticket)
+    queue.clear()
+    queue.update(dict.fromkeys(ordered))
+    policy._tally(entry, +1)
+    if last_served is not None:
+        policy._mark_served(entry, last_served)
+
+
 def test_enst_prefers_the_request_about_to_be_promoted():
     """ENST = min(T_promote, T_execute): a request deep in the queues whose promotion is due
     soon is expected to run before one in a higher queue, so it keeps its memory."""
@@ -162,9 +178,9 @@ def test_enst_prefers_the_request_about_to_be_promoted():
     for r in (x, y, z):
         sched.add_request(r)
     now = 100.0
-    policy.entries["y"].level, policy.entries["y"].last_served = 2, now
-    policy.entries["z"].level, policy.entries["z"].last_served = 3, now - 9.99
-    policy.on_step(now)  # recounts the queues after the hand-made moves
+    place(policy, "y", 2, last_served=now)
+    place(policy, "z", 3, last_served=now - 9.99)
+    policy.on_step(now)
     enst = policy.enst([x, y, z], now)
     assert enst["x"] == 0.0  # nothing above the top queue
     assert enst["y"] == pytest.approx(1.0 + 2.0)  # x runs down through q_0 and q_1 first
@@ -182,7 +198,8 @@ def test_memory_pressure_without_a_host_pool_makes_the_head_wait():
         sched.add_request(r)
     _, now = step(sched, 0.0)  # all three prefill: 9 of 14 blocks held
     assert sched.kv.num_free_blocks == 5
-    policy.entries["y"].level, policy.entries["z"].level = 2, 3
+    place(policy, "y", 2)
+    place(policy, "z", 3)
     sched.config.max_num_seqs = 2
     n = req("n", 20, 2, now, first_token=20)  # 5 blocks (no prefix hit), joins q_0 behind x
     sched.add_request(n)
@@ -205,8 +222,8 @@ def test_memory_pressure_swaps_out_the_largest_enst_holder():
     for r in (x, y, z):
         sched.add_request(r)
     _, now = step(sched, 0.0)
-    policy.entries["y"].level = 2
-    policy.entries["z"].level, policy.entries["z"].last_served = 3, now - 9.99
+    place(policy, "y", 2)
+    place(policy, "z", 3, last_served=now - 9.99)
     sched.config.max_num_seqs = 2
     n = req("n", 20, 2, now, first_token=20)
     sched.add_request(n)
@@ -267,6 +284,18 @@ def _assert_enst_sums_current(policy: MLFQPolicy) -> None:
     assert policy._standing == pytest.approx(standing, abs=1e-9)
 
 
+def _assert_queue_order_current(policy: MLFQPolicy, requests: list[Request], now: float) -> None:
+    """The per-queue ticket lists hold every entry once, in its queue and in ticket order, so
+    walking them (`sort`) gives the key order."""
+    for level, queue in enumerate(policy._queues):
+        tickets = [policy.entries[rid].ticket for rid in queue]
+        assert tickets == sorted(tickets)
+        assert all(policy.entries[rid].level == level for rid in queue)
+    assert sum(len(q) for q in policy._queues) == len(policy.entries)
+    walked = list(policy.order(RequestQueue(requests), now))
+    assert walked == sorted(requests, key=lambda r: policy.key(r, now))
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), num_blocks=st.integers(12, 40), host_blocks=st.integers(0, 40),
        interception=st.sampled_from(["preserve", "discard", "swap", "min-waste"]),
@@ -306,6 +335,10 @@ def test_random_mlfq_runs_keep_kv_correct(seed, num_blocks, host_blocks, interce
             pending_resume.remove(item)
             sched.resume_request(item[1], item[2], now)
         out = sched.schedule(now)
+        # Starvation prevention promoted everyone due (found through its service-time heap).
+        limit = sched.policy.options.starvation_limit_s
+        assert all(now - e.last_served < limit - 1e-9 for e in sched.policy.entries.values()
+                   if e.level > 0 and not e.paused)
         got = sched.update_from_output(out, ex.execute(out))
         for r in got:
             if r.is_finished or r.num_generated_tokens not in plans[r.request_id]:
@@ -316,6 +349,7 @@ def test_random_mlfq_runs_keep_kv_correct(seed, num_blocks, host_blocks, interce
             pending_resume.append((now + rng.choice([0.0, 0.02, 0.2]), r, tool_tokens(r, k)))
         sched.check_invariants()
         _assert_enst_sums_current(sched.policy)
+        _assert_queue_order_current(sched.policy, list(sched.requests.values()), now)
     assert not sched.has_unfinished_requests(), "requests left unfinished"
     assert sched.kv.num_held_blocks() == 0 and not sched.kv.host_tables
     assert sched.policy._count == [0] * len(sched.policy.quanta)
@@ -334,7 +368,8 @@ def test_prefill_chunk_leaves_room_for_resident_decodes(share: float, expect: di
     for r in (x, y):
         sched.add_request(r)
     _, now = step(sched, 0.0)
-    policy.entries["x"].level = policy.entries["y"].level = 5
+    place(policy, "x", 5)
+    place(policy, "y", 5)
     sched.add_request(req("n", 40, 2, now, first_token=20))
     out, now = step(sched, now)
     assert {s.request.request_id: s.num_tokens for s in out.seqs} == expect

@@ -11,7 +11,7 @@ from segue.config import CacheConfig, EngineConfig, ModelLoadConfig
 from segue.engine import LLMEngine
 from segue.executor import profiler
 from segue.executor.step_fit import StepPoint, fit_steps, nnls
-from segue.sched.cost_model import CostModel
+from segue.sched.cost_model import CostModel, mean_cost_model
 
 
 def _synthetic(a: float, b: float, c: float, noise: float = 0.0, seed: int = 0) -> list[StepPoint]:
@@ -133,6 +133,19 @@ def tiny_engine(tiny_ckpt: str) -> LLMEngine:
     config = EngineConfig(model=ModelLoadConfig(model=tiny_ckpt),
                           cache=CacheConfig(kv_cache_tokens=2048, swap_space_tokens=256))
     return LLMEngine(config.validate())
+
+
+def test_mean_of_two_profiles_charges_the_mean_step_time() -> None:
+    before = CostModel(fwd_ms_per_token=2.0, fwd_base_ms=60.0, fwd_curve_ms=[[1, 60.0], [128, 380.0]],
+                       fwd_ms_per_context_token=0.02)
+    after = CostModel(fwd_ms_per_token=3.0, fwd_base_ms=70.0, fwd_curve_ms=[[1, 70.0], [128, 460.0]],
+                      fwd_ms_per_context_token=0.04)
+    mean = mean_cost_model(before, after, "around")
+    for tokens in (1, 64, 128, 300):
+        assert mean.t_fwd(tokens) == pytest.approx((before.t_fwd(tokens) + after.t_fwd(tokens)) / 2)
+    assert mean.fwd_ms_per_context_token == pytest.approx(0.03) and mean.source == "around"
+    with pytest.raises(ValueError, match="different step-time curves"):
+        mean_cost_model(before, CostModel(fwd_curve_ms=[[1, 60.0], [64, 200.0]]), "x")
 
 
 def test_tiny_profile_writes_a_loadable_profile(tiny_engine: LLMEngine, tmp_path) -> None:

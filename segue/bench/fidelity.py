@@ -29,12 +29,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(kinds="math,qa,ve")  # the kinds with sub-second pauses keep a real run short
     p.add_argument("--profile-repeats", type=int, default=3, help="repeats per point when profiling now")
     p.add_argument("--profile-each-rate", action="store_true",
-                   help="profile again right before each rate's real run (without --profile): a VM whose step "
-                        "times drift between runs minutes apart is then measured at the speed the run sees")
+                   help="profile right before and right after each rate's real run (without --profile) and simulate "
+                        "with their mean: a VM whose speed drifts over minutes is measured at the speed the run saw, "
+                        "and the drift between the two profiles is reported")
     p.add_argument("--tolerance", type=float, default=0.10, help="relative error called agreement (default 0.10)")
     p.add_argument("--deadline-s", type=float, default=None, help="stop the real run after this many seconds")
     p.add_argument("--output-json", default=None, metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
+
+
+DRIFT_TOKENS = (1, 16, 128, 512)
+
+
+def drift(before: Any, after: Any) -> dict[int, float]:
+    """How much slower (+) or faster (-) the machine ran a step of N tokens after a run than before."""
+    return {n: after.t_fwd(n) / before.t_fwd(n) - 1 for n in DRIFT_TOKENS}
 
 
 def _metrics(res: Any) -> dict[str, float | None]:
@@ -78,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from segue.engine import LLMEngine
     from segue.executor.loading import load_model
     from segue.executor.sim_executor import make_sim_engine
-    from segue.sched.cost_model import CostModel
+    from segue.sched.cost_model import CostModel, mean_cost_model
 
     base = engine_config_from_args(args)
     executor, tokenizer, model_config, model_name, template = load_model(base)
@@ -98,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         pconf = copy.deepcopy(base)
         pconf.scheduler.max_num_batched_tokens = max(pconf.scheduler.max_num_batched_tokens, 1024)
         measured, _ = profile(engine_for(pconf), repeats=args.profile_repeats)
-        return measured, "profiled right before each rate" if args.profile_each_rate else "profiled now"
+        return measured, "profiled before and after each rate" if args.profile_each_rate else "profiled now"
 
     def use(measured: Any) -> None:
         measured.kv_bytes_per_token = executor.kv_bytes_per_token
@@ -123,9 +132,10 @@ def run(args: argparse.Namespace) -> int:
                               "model": probe.model_name, "device": getattr(executor, "device_name", "cpu"),
                               "kv_cache_tokens": kv_tokens, "dropped": dropped, "runs": []}
     try:
-        for i, rate in enumerate(args.rates):
-            if args.profile_each_rate and i > 0:
-                cost, _ = measure()
+        after = None
+        for rate in args.rates:
+            if after is not None:
+                cost = after  # taken right after the previous rate: right before this one
                 use(cost)
             arrivals = arrivals_for(spec, rate)
             engine = engine_for(copy.deepcopy(config))
@@ -140,7 +150,13 @@ def run(args: argparse.Namespace) -> int:
             run: dict[str, Any] = {"rate": rate, "cost_model": cost.__dict__, "real": _metrics(real),
                                    "real_busy_s": sum(s.step_s for s in log.samples),
                                    "steps": step_diagnosis(log, cost), "refit_cost_model": refit.__dict__}
-            for name, model in (("sim", cost), ("refit", refit)):
+            models = [("sim", cost), ("refit", refit)]
+            if args.profile_each_rate:
+                after, _ = measure()
+                around = mean_cost_model(cost, after, "mean of the profiles before and after the run")
+                run.update(cost_model_after=after.__dict__, cost_model=around.__dict__, drift=drift(cost, after))
+                models = [("sim", around), ("sim_before", cost), ("refit", refit)]
+            for name, model in models:
                 sconf = copy.deepcopy(config)
                 sconf.scheduler.profile_path = None
                 sim_engine = make_sim_engine(model, kv_tokens, sconf, max_model_len=probe.max_model_len,
@@ -185,7 +201,11 @@ def render(report: dict[str, Any], tolerance: float) -> str:
     for run in report["runs"]:
         real, sim, refit = run["real"], run["sim"], run["refit"]
         lines += [f"### {run['rate']:g} req/s", ""]
-        if run.get("cost_model", report["cost_model"]) != report["cost_model"]:
+        if "drift" in run:
+            moved = ", ".join(f"{n} tokens {run['drift'][n]:+.1%}" for n in DRIFT_TOKENS)
+            lines += [f"Profiled before and after this rate; the simulator charges their mean, "
+                      f"{_cost_text(run['cost_model'])}. Step time after the run against before: {moved}.", ""]
+        elif run.get("cost_model", report["cost_model"]) != report["cost_model"]:
             lines += [f"Profiled right before this rate: {_cost_text(run['cost_model'])}.", ""]
         lines += ["| | real | sim | error | sim (refit) | error |", "|---|---:|---:|---:|---:|---:|"]
         for key, label, fmt in (("output_throughput", "output tok/s", "{:.1f}"),
@@ -198,6 +218,10 @@ def render(report: dict[str, Any], tolerance: float) -> str:
                      f"{_pct(_error(run['refit_busy_s'], run['real_busy_s']))} |")
         lines.append(f"| steps | {real['steps']} | {sim['steps']} | | {refit['steps']} | |")
         lines.append(f"| requests finished | {real['finished']} | {sim['finished']} | | {refit['finished']} | |")
+        if "sim_before" in run:
+            b = run["sim_before_error"]
+            lines.append(f"| with the profile before the run only | | | {_pct(b['output_throughput'])} thr., "
+                         f"{_pct(b['normalized_latency_mean'])} norm. | | |")
         worst = max(abs(run["sim_error"][k] or 0) for k in ("output_throughput", "normalized_latency_mean"))
         lines += ["", f"Agreement within {tolerance:.0%} on throughput and mean normalized latency: "
                       f"{'yes' if worst <= tolerance else 'no'} (worst {worst:.1%})."]

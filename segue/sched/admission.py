@@ -2,6 +2,7 @@
 the device KV pool. Used by the Scheduler; pure Python."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -61,8 +62,21 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
             return False
         return sched.kv.allocate_slots(req, num_new, hits)
 
+    def candidates() -> Iterator[Request]:
+        """The waiting requests in the policy's order, read no further than admission goes."""
+        seen = set()
+        for req in sched.policy.order(sched.waiting, sched.now):
+            if blocked is not None:
+                # Behind a blocked head only requests that already hold KV may run; under overload
+                # they are a few among thousands, so they are looked up, not scanned for.
+                rest = [r for r in sched.waiting_holders() if r.request_id not in seen]
+                yield from sched.policy.order(rest, sched.now)
+                return
+            seen.add(req.request_id)
+            yield req
+
     capacity = LatencyCapacity.of(sched)
-    for req in list(sched.waiting):
+    for req in candidates():
         if budget <= 0 or len(sched.running) >= sched.config.max_num_seqs:
             break
         if req.status == RequestStatus.SWAPPED:
@@ -112,8 +126,6 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
         if release_waiting_kv(sched, b.request, b.need) and allocate(b.request, b.num_new, b.hits):
             _admit(sched, b.request, b.num_new, len(b.hits) * sched.kv.block_size, scheduled)
             budget -= b.num_new
-    admitted = {id(r) for r, _ in scheduled}
-    sched.waiting = [r for r in sched.waiting if id(r) not in admitted]
     return budget
 
 
@@ -155,8 +167,11 @@ def release_waiting_kv(sched: Scheduler, head: Request, need_blocks: int) -> boo
         return False
     freed = False
     # Partly swapped-in requests first (their host prefix is kept; the device part will be
-    # recomputed after it), then waiting holders from the back of the queue.
-    holders = list(sched.paused.swapped) + list(reversed(sched.waiting))
+    # recomputed after it), the policy's first victim first, then waiting holders from the back
+    # of the queue.
+    partly_in = [r for r in sched.paused.swapped if sched.kv.num_device_blocks_of(r.request_id)]
+    holders = (sched.policy.preemption_order(partly_in, sched.now)
+               + list(reversed(list(sched.policy.order(sched.waiting_holders(), sched.now)))))
     for req in holders:
         if req is head or not sched.kv.num_device_blocks_of(req.request_id):
             continue
@@ -180,16 +195,16 @@ def _admit(sched: Scheduler, req: Request, num_new: int, num_hit: int,
         sched.prefix_hit_tokens += num_hit
         sched.prefix_query_tokens += req.num_prompt_tokens
     req.num_computed_tokens += num_hit
+    sched.waiting.remove(req)
     req.status = RequestStatus.RUNNING
     sched.running.append(req)
     scheduled.append((req, num_new))
 
 
 def _count_resident_decodes(sched: Scheduler, limit: int) -> int:
-    """How many waiting requests are resident decodes, counting no further than `limit` (an
-    overloaded queue holds thousands, and this runs every step)."""
+    """How many waiting requests are resident decodes, counting no further than `limit`."""
     count = 0
-    for req in sched.waiting:
+    for req in sched.waiting_holders():
         if count >= limit:
             break
         count += _is_resident_decode(sched, req)

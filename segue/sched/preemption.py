@@ -33,7 +33,7 @@ def make_room(sched: Scheduler, head: Request, need: int, out: SchedulerOutput) 
     if host is None or host.num_free_blocks < deficit:
         return Room.NONE
     head_key = sched.policy.key(head, sched.now)
-    holders = [r for r in sched.waiting + sched.paused.swapped
+    holders = [r for r in sched.waiting_holders() + sched.paused.swapped
                if r is not head and sched.kv.num_device_blocks_of(r.request_id)
                and sched.policy.key(r, sched.now) > head_key]
     # Whole victims: a request left half on the device could not run and would hold memory.
@@ -81,8 +81,8 @@ def keep_reserve(sched: Scheduler, out: SchedulerOutput, reserve: int, now: floa
     if budget <= 0 or sched.kv.host is None or sched.kv.host.num_free_blocks == 0:
         return  # nothing can move this step; ranking an overloaded queue would be wasted work
     on_host = [r for r in sched.paused.swapped if sched.kv.num_host_blocks_of(r.request_id)]
-    resident = [r for r in sched.waiting + sched.paused.swapped if sched.kv.num_device_blocks_of(r.request_id)]
-    waiting_resident = [r for r in resident if r.status != RequestStatus.SWAPPED]
+    waiting_resident = sched.waiting_holders()
+    resident = waiting_resident + [r for r in sched.paused.swapped if sched.kv.num_device_blocks_of(r.request_id)]
     # Blocks swapped out this step are free by the next one, except those earmarked for a head.
     deficit = reserve - (sched.kv.num_free_blocks + len(out.blocks_to_swap_out) - sched.earmarked_blocks)
     if deficit <= 0 and not (on_host and waiting_resident):

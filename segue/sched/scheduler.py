@@ -17,6 +17,7 @@ from segue.sched.interception import InterceptionPolicy, make_interception_polic
 from segue.sched.output import ScheduledSeq, SchedulerOutput
 from segue.sched.paused import PausedRequests
 from segue.sched.preemption import keep_reserve
+from segue.sched.request_queue import RequestQueue
 from segue.sched.policies import SchedulingPolicy
 
 
@@ -44,7 +45,7 @@ class Scheduler:
         # Tokens computed a second time (after a discard or a preemption), for waste accounting.
         self.last_step_recompute_tokens = 0
         self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []
+        self.waiting = RequestQueue()
         self.running: list[Request] = []
         self.num_preemptions_total = 0
         self.prefix_hit_tokens = 0
@@ -72,8 +73,7 @@ class Scheduler:
         del self.requests[request.request_id]
         if request in self.running:
             self.running.remove(request)
-        if request in self.waiting:
-            self.waiting.remove(request)
+        self.waiting.discard(request)
         self.paused.remove(request)
         request.status = status
         self.kv.free(request)
@@ -98,6 +98,16 @@ class Scheduler:
             self.waiting.append(request)
         self.policy.on_resumed(request, now)
 
+    def waiting_holders(self) -> list[Request]:
+        """The waiting requests that hold device KV, found through the KV tables: the pool bounds
+        them, while an overloaded waiting queue holds thousands and is scanned by no per-step pass."""
+        holders = []
+        for rid, table in self.kv.tables.items():
+            req = self.requests[rid]
+            if table and req.status == RequestStatus.WAITING:
+                holders.append(req)
+        return holders
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -117,16 +127,15 @@ class Scheduler:
         self.policy.on_step(now)
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        key = lambda r: self.policy.key(r, now)  # noqa: E731
         self.kv.release_swapped_out()
         running_tokens = sum(r.num_computed_tokens for r in self.running)
         reserve = self.policy.reserved_blocks(now)
-        if self.policy.preemptive:
-            # Swap in first whoever the policy expects to run soonest.
-            self.paused.swapped[:] = reversed(self.policy.preemption_order(self.paused.swapped, now))
         # Swap-ins leave the arrival reserve and earmarked blocks free, unless nothing else could run.
         keep_free = reserve + self.earmarked_blocks if self.running or self.waiting else 0
         self.earmarked_blocks = 0
+        if self.policy.preemptive and self.kv.num_free_blocks > keep_free:
+            # Swap in first whoever the policy expects to run soonest (no room: no swap-in to order).
+            self.paused.swapped[:] = reversed(self.policy.preemption_order(self.paused.swapped, now))
         plan = self.paused.plan(now, running_tokens, len(self.running), self.last_batch_tokens,
                                 keep_free_blocks=keep_free)
         out.blocks_to_swap_out, out.blocks_to_swap_in = plan.swap_out, plan.swap_in
@@ -137,11 +146,11 @@ class Scheduler:
             # Everyone competes for this step in key order; a loser keeps its KV while it waits.
             for req in self.running:
                 req.status = RequestStatus.WAITING
-            self.waiting += self.running
+            self.waiting.extend(self.running)
             self.running = []
         else:
             self._rejoin_resident()
-        self.running.sort(key=key)
+        self.running = list(self.policy.order(self.running, now))
         scheduled: list[tuple[Request, int]] = []
 
         i = 0
@@ -163,7 +172,6 @@ class Scheduler:
                 i += 1
 
         if not out.preempted:
-            self.waiting.sort(key=key)
             budget = admit_waiting(self, out, budget, scheduled)
 
         self.last_batch_tokens = sum(n for _, n in scheduled)
@@ -189,16 +197,11 @@ class Scheduler:
         it in the waiting queue, waiting holders kept 55% of the pool on average and LAMPS
         preempted 7x as often as FCFS (simulator, 30 minutes at 4 req/s; BENCHMARKS.md). Under
         memory pressure it is preempted like any running request, in the policy's order."""
-        keep = []
-        for req in self.waiting:
-            resident = (req.status == RequestStatus.WAITING and req.num_computed_tokens > 0
-                        and self.kv.num_device_blocks_of(req.request_id) > 0)
-            if resident and len(self.running) < self.config.max_num_seqs:
+        for req in self.policy.order(self.waiting_holders(), self.now):
+            if req.num_computed_tokens > 0 and len(self.running) < self.config.max_num_seqs:
+                self.waiting.remove(req)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-            else:
-                keep.append(req)
-        self.waiting = keep
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance progress, append sampled tokens, and finish requests that hit a stop
@@ -262,7 +265,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
-        ids = [r.request_id for r in self.running + self.waiting + self.paused.swapped + self.paused.landing]
+        ids = [r.request_id for r in [*self.running, *self.waiting, *self.paused.swapped, *self.paused.landing]]
         ids += list(self.paused.paused)
         assert len(ids) == len(set(ids)), "a request is queued twice"
         assert set(ids) == set(self.requests), "queues and the request table disagree"
@@ -274,6 +277,8 @@ class Scheduler:
             assert held * self.kv.block_size >= req.num_computed_tokens, f"{req.request_id}: KV lost"
         for req in self.waiting:
             assert req.request_id not in self.kv.host_tables, f"{req.request_id} waits with KV on the host"
+        holders = {r.request_id for r in self.waiting if self.kv.num_device_blocks_of(r.request_id)}
+        assert holders == {r.request_id for r in self.waiting_holders()}, "waiting holders misfound"
         for rid, req in self.paused.paused.items():
             assert req.status == RequestStatus.INTERCEPTED and req.interception is not None
         for req in self.paused.swapped:

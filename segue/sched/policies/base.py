@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -45,6 +46,12 @@ class SchedulingPolicy(ABC):
     @abstractmethod
     def key(self, request: Request, now: float) -> Any:
         ...
+
+    def order(self, requests: Iterable[Request], now: float) -> Iterable[Request]:
+        """`requests` in ascending key order: who is served first. The scheduler asks every step,
+        for a waiting queue of thousands under overload, and usually reads only the first few,
+        so a policy that keeps its own order may return a lazy iterator."""
+        return sorted(requests, key=lambda r: self.key(r, now))
 
     def on_arrival(self, request: Request, now: float) -> None:
         """Called once when a request enters the scheduler."""

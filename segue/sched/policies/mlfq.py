@@ -23,15 +23,19 @@ Options (`scheduler.policy_options`):
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from segue.request import Request
 from segue.sched.policies.base import PolicyContext, SchedulingPolicy
+from segue.sched.request_queue import RequestQueue
 
 _EPS = 1e-9
+_RECOUNT_STEPS = 1024
 
 
 @dataclass
@@ -66,6 +70,7 @@ class MLFQOptions:
 @dataclass
 class QueueEntry:
     """Where one request sits in the MLFQ."""
+    request_id: str
     level: int
     # FIFO position inside the queue: a counter taken when the request entered it.
     ticket: int
@@ -73,6 +78,8 @@ class QueueEntry:
     attained_s: float
     last_served: float
     paused: bool = False
+    # Arrival order: requests promoted in the same step take their tickets in it.
+    arrival: int = 0
 
 
 class MLFQPolicy(SchedulingPolicy):
@@ -90,12 +97,20 @@ class MLFQPolicy(SchedulingPolicy):
         for q in self.quanta:
             self._prefix.append(self._prefix[-1] + q)
         self.entries: dict[str, QueueEntry] = {}
+        # Per queue, its request ids in ticket order (tickets only grow, so entering a queue is
+        # an append): walking them is the key order, with no key computed or compared.
+        self._queues: list[dict[str, None]] = [{} for _ in self.quanta]
         # Per queue, over the requests not paused: how many, and the sum of prefix[k] + attained
-        # (where they stand). ENST needs both for every eviction decision; they are rebuilt in
-        # on_step and kept current by the hooks, so no decision scans every entry.
+        # (where they stand). ENST needs both for every eviction decision; the hooks keep them
+        # current (recounted every _RECOUNT_STEPS steps, so float updates never drift).
         self._count = [0] * len(self.quanta)
         self._standing = [0.0] * len(self.quanta)
         self._tickets = 0
+        self._steps = 0
+        # (last_served, request id) of every service, oldest first: on_step pops the requests
+        # that starved instead of scanning all of them. An item is stale once its request was
+        # served again, paused or left.
+        self._service_times: list[tuple[float, str]] = []
         # Requests served in the previous step: the batch size B of FastServe's ENST.
         self._served_this_step = 0
         self._batch_size = 1
@@ -111,7 +126,9 @@ class MLFQPolicy(SchedulingPolicy):
 
     def _enter(self, entry: QueueEntry, level: int) -> None:
         self._tally(entry, -1)
+        del self._queues[entry.level][entry.request_id]
         entry.level, entry.attained_s, entry.ticket = level, 0.0, self._take_ticket()
+        self._queues[level][entry.request_id] = None
         self._tally(entry, +1)
 
     def _take_ticket(self) -> int:
@@ -121,15 +138,32 @@ class MLFQPolicy(SchedulingPolicy):
     def _tally(self, entry: QueueEntry, sign: int) -> None:
         """Add (+1) or remove (-1) an entry's share of the per-queue ENST sums."""
         if not entry.paused:
-            self._count[entry.level] += sign
-            self._standing[entry.level] += sign * (self._prefix[entry.level] + entry.attained_s)
+            k = entry.level
+            self._count[k] += sign
+            # An empty queue stands at exactly 0: a rounding residue would break ENST's ties at 0.
+            self._standing[k] = self._standing[k] + sign * (self._prefix[k] + entry.attained_s) if self._count[k] else 0.0
+
+    def _recount(self) -> None:
+        count, standing = [0] * len(self.quanta), [0.0] * len(self.quanta)
+        for entry in self.entries.values():
+            if not entry.paused:
+                count[entry.level] += 1
+                standing[entry.level] += self._prefix[entry.level] + entry.attained_s
+        self._count, self._standing = count, standing
+
+    def _mark_served(self, entry: QueueEntry, now: float) -> None:
+        entry.last_served = now
+        heapq.heappush(self._service_times, (now, entry.request_id))
 
     def on_arrival(self, request: Request, now: float) -> None:
         prefill = request.num_tokens - request.num_computed_tokens
         level = self.level_for(self.context.cost.t_fwd(prefill)) if self.options.skip_join else 0
-        entry = QueueEntry(level, self._take_ticket(), 0.0, now)
+        ticket = self._take_ticket()
+        entry = QueueEntry(request.request_id, level, ticket, 0.0, now, arrival=ticket)
         self.entries[request.request_id] = entry
+        self._queues[level][request.request_id] = None
         self._tally(entry, +1)
+        self._mark_served(entry, now)
         self._arrivals.append((now, request.num_prompt_tokens))
 
     def key(self, request: Request, now: float) -> tuple[int, int, int]:
@@ -138,30 +172,45 @@ class MLFQPolicy(SchedulingPolicy):
             return (len(self.quanta), 0, request.seq_no)
         return (entry.level, entry.ticket, request.seq_no)
 
+    def order(self, requests: Iterable[Request], now: float) -> Iterable[Request]:
+        """Key order by walking the queues, lazily: each request costs a lookup, no key."""
+        if not isinstance(requests, RequestQueue) or len(requests) * 4 < len(self.entries):
+            return super().order(requests, now)
+        return self._walk(requests)
+
+    def _walk(self, queue: RequestQueue) -> Iterator[Request]:
+        for level in self._queues:
+            for rid in level:
+                req = queue.get(rid)
+                if req is not None:
+                    yield req
+        # Never announced to the policy: behind everything known, FCFS among themselves.
+        yield from sorted((r for r in queue if r.request_id not in self.entries), key=lambda r: r.seq_no)
+
     # ---- service, demotion, promotion ----------------------------------------------------
     def on_step(self, now: float) -> None:
         self._batch_size = max(1, self._served_this_step)
         self._served_this_step = 0
-        limit = self.options.starvation_limit_s
-        # Rebuilt from scratch once a step (inline: this loop visits every request), so the
-        # hooks' float updates never drift.
-        count, standing, prefix = [0] * len(self.quanta), [0.0] * len(self.quanta), self._prefix
-        for entry in self.entries.values():
-            if entry.paused:
-                continue
-            if entry.level > 0 and now - entry.last_served >= limit - _EPS:
-                entry.level, entry.attained_s, entry.ticket = 0, 0.0, self._take_ticket()
-                entry.last_served = now
-            count[entry.level] += 1
-            standing[entry.level] += prefix[entry.level] + entry.attained_s
-        self._count, self._standing = count, standing
+        limit, times = self.options.starvation_limit_s, self._service_times
+        starved: dict[str, QueueEntry] = {}
+        while times and now - times[0][0] >= limit - _EPS:
+            served, rid = heapq.heappop(times)
+            entry = self.entries.get(rid)
+            if entry is not None and entry.last_served == served and entry.level > 0 and not entry.paused:
+                starved[rid] = entry
+        for entry in sorted(starved.values(), key=lambda e: e.arrival):
+            self._enter(entry, 0)
+            self._mark_served(entry, now)
+        self._steps += 1
+        if self._steps % _RECOUNT_STEPS == 0:
+            self._recount()
 
     def on_scheduled(self, request: Request, num_tokens: int, now: float) -> None:
         entry = self.entries.get(request.request_id)
         if entry is None:
             return
         self._served_this_step += 1
-        entry.last_served = now
+        self._mark_served(entry, now)
         # Rebuilding a discarded or evicted context is not service: charging it would demote a
         # request halfway through its recompute and make it the next eviction victim.
         start = request.num_computed_tokens
@@ -194,12 +243,13 @@ class MLFQPolicy(SchedulingPolicy):
             if entry.paused:
                 entry.paused = False
                 self._tally(entry, +1)
-            entry.last_served = now
+            self._mark_served(entry, now)
 
     def on_finished(self, request: Request, now: float) -> None:
         entry = self.entries.pop(request.request_id, None)
         if entry is not None:
             self._tally(entry, -1)
+            del self._queues[entry.level][request.request_id]
 
     # ---- proactive KV management (§4.2) --------------------------------------------------
     def enst(self, requests: list[Request], now: float) -> dict[str, float]:
