@@ -213,6 +213,28 @@ def test_memory_pressure_without_a_host_pool_makes_the_head_wait():
     assert "n" in [s.request.request_id for s in out.seqs] and sched.num_preemptions_total == 0
 
 
+def test_a_holder_that_cannot_grow_takes_blocks_from_lower_holders():
+    """Host full (here: none): behind a blocked head, requests that hold KV but need one more block
+    discard the lowest-ranked holder instead of idling while only holders with room in their last
+    block run (which kept the discard fallback for the head from ever firing)."""
+    sched, policy = make(num_blocks=16, max_seqs=4, base_quantum_s=1.0, starvation_limit_s=10.0)
+    x, y, z = req("x", 16, 8), req("y", 16, 8, first_token=2), req("z", 16, 8, first_token=3)
+    w = req("w", 13, 8, first_token=4)  # 13 tokens in 4 blocks: room for 3 more without a block
+    for r in (x, y, z, w):
+        sched.add_request(r)
+    _, now = step(sched, 0.0)
+    assert sched.kv.num_free_blocks == 0
+    for rid, level in (("x", 0), ("y", 1), ("z", 3), ("w", 4)):
+        place(policy, rid, level)
+    out, now = step(sched, now)
+    # x, the head, waits for memory; y and z grow into w's blocks; w recomputes later.
+    assert [s.request.request_id for s in out.seqs] == ["y", "z"]
+    assert sched.kv.num_device_blocks_of("w") == 0 and w.num_computed_tokens == 0
+    assert sched.num_preemptions_total == 1
+    out, now = step(sched, now)
+    assert "x" in [s.request.request_id for s in out.seqs]
+
+
 def test_memory_pressure_swaps_out_the_largest_enst_holder():
     """The largest-ENST holder is swapped out (nothing to recompute); the head waits one step for
     the copies, then gets the memory before any swap-in or a resident's growth can take it."""
