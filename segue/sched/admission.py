@@ -66,9 +66,10 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
         """The waiting requests in the policy's order, read no further than admission goes."""
         seen = set()
         for req in sched.policy.order(sched.waiting, sched.now):
-            if blocked is not None:
-                # Behind a blocked head only requests that already hold KV may run; under overload
-                # they are a few among thousands, so they are looked up, not scanned for.
+            if blocked is not None or (decode_room > 0 and budget <= decode_room):
+                # Behind a blocked head, or once the budget left is the decodes' share, only
+                # requests that already hold KV may run; under overload they are a few among
+                # thousands, so they are looked up, not scanned for.
                 rest = [r for r in sched.waiting_holders() if r.request_id not in seen]
                 yield from sched.policy.order(rest, sched.now)
                 return
@@ -87,14 +88,14 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
             if preemptive:
                 continue
             break  # over the latency capacity, requests queue in order (Parrot's baseline: FIFO)
+        decode = decode_room > 0 and _is_resident_decode(sched, req)
+        if decode_room > 0 and not decode and budget <= decode_room:
+            continue  # no room for another chunk in this step
         hits, num_hit = ([], 0)
         if req.num_computed_tokens == 0:
             hits, num_hit = sched.kv.get_computed_blocks(req)
         num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
-        decode = decode_room > 0 and _is_resident_decode(sched, req)
         if decode_room > 0 and not decode:
-            if budget <= decode_room:
-                continue  # no room for another chunk in this step
             num_new = min(num_new, budget - decode_room)
         if not allocate(req, num_new, hits):
             if blocked is not None:
