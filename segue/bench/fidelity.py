@@ -2,7 +2,8 @@
 
 Runs one workload on the real in-process engine (wall clock), then the same requests and arrivals
 in the simulator with the engine's measured cost model (`--profile PATH` from `segue profile`, or
-profiled now), with the same scheduler knobs and KV pool sizes; reports output throughput, mean
+profiled now; with `--profile-each-rate`, the mean of profiles taken right before and right after
+each rate's run), with the same scheduler knobs and KV pool sizes; reports output throughput, mean
 normalized latency and mean TTFT of both and their relative errors (target: within 10%).
 
 To explain a miss it logs every real step and compares it with the cost model's prediction, split

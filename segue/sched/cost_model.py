@@ -84,7 +84,7 @@ class CostModel:
 
 def mean_cost_model(a: CostModel, b: CostModel, source: str) -> CostModel:
     """The mean of two profiles of the same device taken on the same grid (say, before and after
-    a run, when the machine's speed moved in between)."""
+    a run, when the machine's speed moved in between); saturation point and KV size from `a`."""
     curve = None
     if a.fwd_curve_ms or b.fwd_curve_ms:
         if not (a.fwd_curve_ms and b.fwd_curve_ms) or [p[0] for p in a.fwd_curve_ms] != [p[0] for p in b.fwd_curve_ms]:
@@ -93,7 +93,8 @@ def mean_cost_model(a: CostModel, b: CostModel, source: str) -> CostModel:
     return CostModel(fwd_ms_per_token=(a.fwd_ms_per_token + b.fwd_ms_per_token) / 2,
                      fwd_base_ms=(a.fwd_base_ms + b.fwd_base_ms) / 2, fwd_curve_ms=curve,
                      fwd_ms_per_context_token=(a.fwd_ms_per_context_token + b.fwd_ms_per_context_token) / 2,
-                     saturation_tokens=a.saturation_tokens, swap_bytes_per_s=(a.swap_bytes_per_s + b.swap_bytes_per_s) / 2,
+                     saturation_tokens=a.saturation_tokens,
+                     swap_bytes_per_s=(a.swap_bytes_per_s + b.swap_bytes_per_s) / 2,
                      kv_bytes_per_token=a.kv_bytes_per_token, device=a.device, source=source)
 
 

@@ -141,7 +141,10 @@ class MLFQPolicy(SchedulingPolicy):
             k = entry.level
             self._count[k] += sign
             # An empty queue stands at exactly 0: a rounding residue would break ENST's ties at 0.
-            self._standing[k] = self._standing[k] + sign * (self._prefix[k] + entry.attained_s) if self._count[k] else 0.0
+            if self._count[k]:
+                self._standing[k] += sign * (self._prefix[k] + entry.attained_s)
+            else:
+                self._standing[k] = 0.0
 
     def _recount(self) -> None:
         count, standing = [0] * len(self.quanta), [0.0] * len(self.quanta)
