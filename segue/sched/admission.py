@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from segue.kv.block_pool import KVBlock
 from segue.request import Request, RequestStatus
 from segue.sched.output import SchedulerOutput
-from segue.sched.preemption import Room, make_room
+from segue.sched.preemption import Room, holders_below, make_room
 
 if TYPE_CHECKING:
     from segue.sched.scheduler import Scheduler
@@ -180,8 +180,7 @@ def room_for_holder(sched: Scheduler, holder: Request, num_new: int, out: Schedu
         return False
     if sched.kv.host is not None and sched.kv.host.num_free_blocks >= need - sched.kv.num_free_blocks:
         return False  # the host can take them, within a later step's swap budget
-    key = sched.policy.key(holder, sched.now)
-    below = [r for r in sched.waiting_holders() if r is not holder and sched.policy.key(r, sched.now) > key]
+    below = holders_below(sched, holder, partly_swapped_in=False)
     for victim in sched.policy.preemption_order(below, sched.now):
         if sched.kv.num_free_blocks >= need:
             break

@@ -32,10 +32,7 @@ def make_room(sched: Scheduler, head: Request, need: int, out: SchedulerOutput) 
     host = sched.kv.host
     if host is None or host.num_free_blocks < deficit:
         return Room.NONE
-    head_key = sched.policy.key(head, sched.now)
-    holders = [r for r in sched.waiting_holders() + sched.paused.swapped
-               if r is not head and sched.kv.num_device_blocks_of(r.request_id)
-               and sched.policy.key(r, sched.now) > head_key]
+    holders = holders_below(sched, head, partly_swapped_in=True)
     # Whole victims: a request left half on the device could not run and would hold memory.
     budget = swap_budget_blocks(sched, out)
     chosen, room = [], 0
@@ -52,6 +49,16 @@ def make_room(sched: Scheduler, head: Request, need: int, out: SchedulerOutput) 
         swap_out(sched, victim, sched.kv.num_device_blocks_of(victim.request_id), out)
     sched.earmarked_blocks += need
     return Room.IN_FLIGHT
+
+
+def holders_below(sched: Scheduler, req: Request, partly_swapped_in: bool) -> list[Request]:
+    """The waiting requests that hold device KV and rank below `req` in the policy's order (with
+    `partly_swapped_in`, also swapped requests with part of their context back on the device)."""
+    key = sched.policy.key(req, sched.now)
+    candidates = sched.waiting_holders()
+    if partly_swapped_in:
+        candidates += [r for r in sched.paused.swapped if sched.kv.num_device_blocks_of(r.request_id)]
+    return [r for r in candidates if r is not req and sched.policy.key(r, sched.now) > key]
 
 
 def swap_budget_blocks(sched: Scheduler, out: SchedulerOutput) -> int:
