@@ -6,52 +6,8 @@ import logging
 import sys
 
 from segue.cluster import DEFAULT_ENGINE_RESTARTS
-from segue.config import CacheConfig, ConfigError, EngineConfig, ModelLoadConfig, SchedulerConfig
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="a .gguf file or Hugging Face checkpoint directory "
-                   "(default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
-    g.add_argument("--kv-cache-tokens", type=int, default=CacheConfig.kv_cache_tokens,
-                   help="device KV pool size in tokens")
-    g.add_argument("--kv-cache-bytes", type=int, default=None, help="device KV pool size in bytes (overrides tokens)")
-    g.add_argument("--swap-space-tokens", type=int, default=CacheConfig.swap_space_tokens)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
-    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    g.add_argument("--watermark", type=float, default=SchedulerConfig.watermark,
-                   help="fraction of the KV pool kept free when admitting new requests (default: 0)")
-    g.add_argument("--latency-capacity-tokens", type=int, default=None,
-                   help="Parrot's latency capacity: while a latency-sensitive request runs (plain API requests "
-                        "are), the running requests hold at most this many tokens; a program's throughput "
-                        "task group alone may fill the pool (default: no cap)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--policy", default=SchedulerConfig.policy, help="scheduling policy name")
-    g.add_argument("--interception-policy", default=SchedulerConfig.interception_policy,
-                   help="discard, improved-discard, preserve, swap, ttl or min-waste")
-    g.add_argument("--profile", dest="profile_path", default=None, help="a `segue profile` JSON")
-    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=ModelLoadConfig(model=args.model, dtype=args.dtype, device=args.device,
-                              served_model_name=args.served_model_name),
-        cache=CacheConfig(block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
-                          kv_cache_bytes=args.kv_cache_bytes, swap_space_tokens=args.swap_space_tokens,
-                          enable_prefix_caching=not args.no_prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                  watermark=args.watermark, latency_capacity_tokens=args.latency_capacity_tokens,
-                                  policy=args.policy, interception_policy=args.interception_policy,
-                                  profile_path=args.profile_path),
-        num_threads=args.threads,
-    ).validate()
+from segue.config import ConfigError
+from segue.engine_args import add_engine_args, engine_config_from_args
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -89,7 +45,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from segue.engine import LLMEngine
-    from segue.executor import profiler
+    from segue import profiler
     from segue.sched.cost_model import default_profile_path
 
     config = engine_config_from_args(args)
@@ -127,7 +83,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from segue.sim import run_sim
+    from segue.sim.run import run_sim
 
     return run_sim(args)
 
@@ -172,14 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--output", default=None, help="profile JSON (default: ~/.cache/segue/profile-<device>.json)")
     prof.add_argument("--repeats", type=int, default=None, help="repeats per prefill size (default: the grid's)")
     prof.add_argument("--grid", default="auto", choices=["auto", "cpu", "cuda", "tiny"],
-                      help="which steps to time (auto: by device; see segue/executor/profiler.py)")
+                      help="which steps to time (auto: by device; see segue/profiler.py)")
     prof.add_argument("--timer", default="wall", choices=["wall", "cpu"],
                       help="fit wall-clock step time (default) or process CPU time (one-thread CPU engine on a "
                       "shared machine: the steps' own cost without others' load)")
     add_engine_args(prof)
     prof.set_defaults(func=cmd_profile)
 
-    from segue.sim import add_sim_args
+    from segue.sim.run import add_sim_args
     sim = sub.add_parser("sim", help="the real scheduler on a simulated executor at paper scale")
     add_sim_args(sim)
     sim.set_defaults(func=cmd_sim)

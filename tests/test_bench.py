@@ -10,7 +10,7 @@ import transformers
 
 from conftest import make_tiny_checkpoint
 from segue.bench import benchmarks
-from segue.bench.metrics import (
+from segue.sim.metrics import (
     Distribution,
     RequestRecord,
     e2e_latency,

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from segue.bench.arrivals import ArrivalProcess
+from segue.sim.arrivals import ArrivalProcess
 from segue.bench.client import ClientConfig, drive_sync
-from segue.bench.metrics import normalized_latency, ttft
+from segue.sim.metrics import normalized_latency, ttft
 from segue.bench.targets import parse_config
-from segue.bench.workloads.chat import ChatMix, ThroughputMix
-from segue.bench.workloads.registry import WorkloadSpec, arrivals_for, make_requests
-from segue.bench.workloads.trace_request import TraceRequest
+from segue.sim.workloads.chat import ChatMix, ThroughputMix
+from segue.sim.workloads.registry import WorkloadSpec, arrivals_for, make_requests
+from segue.sim.workloads.trace_request import TraceRequest
 from segue.cli import main
 
 
@@ -48,7 +48,7 @@ def test_rates_share_the_burst_pattern():
 
 @pytest.fixture(scope="module")
 def trace() -> list[TraceRequest]:
-    from segue.bench.workloads.infercept import load_infercept
+    from segue.sim.workloads.infercept import load_infercept
 
     try:
         return load_infercept()
@@ -65,7 +65,7 @@ def _values(reqs: list[TraceRequest], field: str) -> np.ndarray:
 
 
 def test_synthetic_matches_per_kind_statistics(trace):
-    from segue.bench.workloads.synthetic import SyntheticInfercept, kind_statistics
+    from segue.sim.workloads.synthetic import SyntheticInfercept, kind_statistics
 
     real = kind_statistics(trace)
     synth = SyntheticInfercept(trace).sample(6000, np.random.default_rng(0))

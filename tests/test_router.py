@@ -5,7 +5,8 @@ import pytest
 
 from segue.cluster.merge import merge_results
 from segue.cluster.prefix_index import PrefixIndex, block_hashes
-from segue.cluster.router import LoadReport, PlacementReason, RouteRequest, make_router
+from segue.cluster.router import LoadReport, PlacementReason, RouteRequest
+from segue.cluster.routers import make_router
 
 BS = 4  # block size
 

@@ -3,18 +3,19 @@ from __future__ import annotations
 
 import pytest
 
-from segue.bench.metrics import normalized_latency
-from segue.bench.replay import replay
-from segue.bench.workloads.infercept import load_infercept
-from segue.bench.workloads.trace_request import TraceRequest
+from segue.sim.metrics import normalized_latency
+from segue.sim.replay import replay
+from segue.sim.workloads.infercept import load_infercept
+from segue.sim.workloads.trace_request import TraceRequest
 from segue.config import CacheConfig, EngineConfig, SchedulerConfig
-from segue.executor.sim_executor import SIM_TOKEN_ID, SimClock, SimExecutor, make_sim_engine
+from segue.executor.sim_executor import SIM_TOKEN_ID, SimClock, SimExecutor
+from segue.sim.engine import make_sim_engine
 from segue.request import Request
 from segue.sampling_params import SamplingParams
 from segue.sched.cost_model import PRESETS
 from segue.sched.interception import INTERCEPTION_POLICIES
 from segue.sched.output import ScheduledSeq, SchedulerOutput
-from segue.sim import draw
+from segue.sim.run import draw
 
 GPTJ = PRESETS["gptj-6b-a100"]
 

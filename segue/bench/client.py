@@ -29,8 +29,8 @@ import httpx
 import numpy as np
 
 from segue.bench.filler import TokenCalibration, filler_text
-from segue.bench.metrics import RequestRecord, summarize
-from segue.bench.workloads.trace_request import TraceRequest
+from segue.sim.metrics import RequestRecord, summarize
+from segue.sim.workloads.trace_request import TraceRequest
 
 logger = logging.getLogger(__name__)
 

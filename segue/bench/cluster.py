@@ -174,7 +174,7 @@ def render_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from segue.cli import engine_config_from_args
+    from segue.engine_args import engine_config_from_args
     from segue.cluster import build_engine, make_router
 
     config = engine_config_from_args(args)

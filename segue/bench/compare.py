@@ -27,7 +27,7 @@ from segue.bench import Benchmark
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from segue.bench.targets import add_sim_target_args
-    from segue.bench.workloads.registry import add_workload_args
+    from segue.sim.workloads.registry import add_workload_args
 
     g = p.add_argument_group("configurations")
     g.add_argument("--config", dest="configs", action="append", default=[], metavar="NAME=KEY:VALUE,...",
@@ -72,7 +72,7 @@ def configs_from_args(args: argparse.Namespace) -> list[Any]:
 def run(args: argparse.Namespace) -> int:
     from segue.bench.report import render
     from segue.bench.targets import Runner
-    from segue.bench.workloads.registry import WorkloadSpec, arrivals_for, make_requests
+    from segue.sim.workloads.registry import WorkloadSpec, arrivals_for, make_requests
 
     configs = configs_from_args(args)
     runner = Runner(args)

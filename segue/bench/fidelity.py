@@ -24,7 +24,7 @@ from segue.bench import Benchmark
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from segue.bench.workloads.registry import add_workload_args
+    from segue.sim.workloads.registry import add_workload_args
 
     add_workload_args(p, num_requests=16)
     p.set_defaults(kinds="math,qa,ve")  # the kinds with sub-second pauses keep a real run short
@@ -81,13 +81,13 @@ def step_diagnosis(log: Any, cost: Any) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     from segue.bench.intercept import _warm_up
-    from segue.bench.replay import real_clock_wait, replay
+    from segue.sim.replay import real_clock_wait, replay
     from segue.bench.step_log import StepLog
-    from segue.bench.workloads.registry import WorkloadSpec, arrivals_for, make_requests
-    from segue.cli import engine_config_from_args
+    from segue.sim.workloads.registry import WorkloadSpec, arrivals_for, make_requests
+    from segue.engine_args import engine_config_from_args
     from segue.engine import LLMEngine
     from segue.executor.loading import load_model
-    from segue.executor.sim_executor import make_sim_engine
+    from segue.sim.engine import make_sim_engine
     from segue.sched.cost_model import CostModel, mean_cost_model
 
     base = engine_config_from_args(args)
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     def measure() -> tuple[Any, str]:
         if args.profile_path:
             return CostModel.load(args.profile_path), args.profile_path
-        from segue.executor.profiler import profile
+        from segue.profiler import profile
 
         pconf = copy.deepcopy(base)
         pconf.scheduler.max_num_batched_tokens = max(pconf.scheduler.max_num_batched_tokens, 1024)

@@ -17,7 +17,7 @@ from segue.bench import Benchmark
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from segue.sim import add_workload_args
+    from segue.sim.run import add_workload_args
 
     # Engine flags (--kv-cache-tokens, default 16384, and the rest) come from the bench parser;
     # --interception-policies here overrides the engine's single --interception-policy.
@@ -39,11 +39,11 @@ def _warm_up(engine: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from segue.bench.replay import real_clock_wait, render_markdown, replay
-    from segue.cli import engine_config_from_args
+    from segue.sim.replay import real_clock_wait, render_markdown, replay
+    from segue.engine_args import engine_config_from_args
     from segue.engine import LLMEngine
     from segue.executor.loading import load_model
-    from segue.sim import draw, load_workload
+    from segue.sim.run import draw, load_workload
 
     base = engine_config_from_args(args)
     # Load the model once; every (policy, rate) run gets a fresh engine (scheduler, KV manager,

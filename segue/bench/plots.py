@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from segue.bench.metrics import normalized_latency, ttft
+from segue.sim.metrics import normalized_latency, ttft
 from segue.bench.report import metric, records_of
 
 

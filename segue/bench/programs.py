@@ -110,7 +110,7 @@ class LiveServer:
 
 
 def run(args: argparse.Namespace) -> int:
-    from segue.cli import engine_config_from_args
+    from segue.engine_args import engine_config_from_args
     from segue.engine import LLMEngine
     from segue.executor.loading import load_model
 

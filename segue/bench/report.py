@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from segue.bench.metrics import RequestRecord
+from segue.sim.metrics import RequestRecord
 
 RECORD_FIELDS = ("arrival_time", "first_token_time", "finish_time", "prompt_tokens", "output_tokens",
                  "intercepted_time")

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from segue.cli import engine_config_from_args
+    from segue.engine_args import engine_config_from_args
     from segue.engine import LLMEngine
     from segue.sampling_params import SamplingParams
 

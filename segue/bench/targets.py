@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from segue.bench.workloads.trace_request import TraceRequest
+from segue.sim.workloads.trace_request import TraceRequest
 
 TARGETS = ("sim", "engine", "url")
 
@@ -117,8 +117,8 @@ class Runner:
 
     def make_sim(self, cfg: RunConfig) -> Any:
         from segue.config import CacheConfig, EngineConfig, SchedulerConfig
-        from segue.executor.sim_executor import make_sim_engine
-        from segue.sim import default_kv_cache_tokens
+        from segue.sim.engine import make_sim_engine
+        from segue.sim.run import default_kv_cache_tokens
 
         a, cost = self.args, self.sim_cost()
         kv = a.sim_kv_cache_tokens or default_kv_cache_tokens(a.preset, cost.kv_bytes_per_token, a.block_size) \
@@ -137,7 +137,7 @@ class Runner:
 
     def make_engine(self, cfg: RunConfig) -> Any:
         from segue.bench.intercept import _warm_up
-        from segue.cli import engine_config_from_args
+        from segue.engine_args import engine_config_from_args
         from segue.engine import LLMEngine
         from segue.executor.loading import load_model
 
@@ -173,7 +173,7 @@ class Runner:
             row = result.to_dict()
             records = result.records
         else:
-            from segue.bench.replay import real_clock_wait, replay
+            from segue.sim.replay import real_clock_wait, replay
 
             engine = self.make_sim(cfg) if cfg.target == "sim" else self.make_engine(cfg)
             wait = engine.clock.advance_to if cfg.target == "sim" else real_clock_wait

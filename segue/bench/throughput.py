@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from segue.bench import Benchmark
-from segue.bench.metrics import RequestRecord, summarize
+from segue.sim.metrics import RequestRecord, summarize
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from segue.cli import engine_config_from_args
+    from segue.engine_args import engine_config_from_args
     from segue.engine import LLMEngine
 
     n, p_len, o_len = args.num_requests, args.prompt_len, args.output_len

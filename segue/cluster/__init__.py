@@ -32,7 +32,8 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
-from segue.cluster.router import LoadReport, PlacementReason, RouteDecision, RouteRequest, Router, make_router
+from segue.cluster.router import LoadReport, PlacementReason, RouteDecision, RouteRequest, Router
+from segue.cluster.routers import make_router
 
 if TYPE_CHECKING:
     from segue.async_engine import AsyncLLMEngine

@@ -8,28 +8,14 @@ server writes, tool duration hints, fans out to all of them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from segue.sampling_params import InvalidRequestError, SamplingParams
 
+from segue.cluster.model_info import ModelInfo
+
 if TYPE_CHECKING:
     from segue.cluster.replica import EngineReplica
-    from segue.engine import LLMEngine
-
-
-@dataclass
-class ModelInfo:
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    chat_template: str | None
-    tokenizer: Any
-
-
-def model_info(llm: "LLMEngine") -> ModelInfo:
-    return ModelInfo(llm.model_name, llm.max_model_len, llm.model_config.vocab_size, llm.chat_template,
-                     llm.tokenizer)
 
 
 class ToolHintFanout:

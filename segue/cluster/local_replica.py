@@ -5,7 +5,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from segue.async_engine import AsyncLLMEngine
-from segue.cluster.front import ModelInfo, model_info
+from segue.cluster.model_info import ModelInfo, model_info
 from segue.cluster.replica import EngineReplica, ReplicaOutput, load_report
 from segue.sampling_params import SamplingParams
 

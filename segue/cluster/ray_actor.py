@@ -16,7 +16,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from segue.async_engine import AsyncLLMEngine
-from segue.cluster.front import ModelInfo, model_info
+from segue.cluster.model_info import ModelInfo, model_info
 from segue.cluster.replica import load_report
 from segue.cluster.router import LoadReport
 from segue.config import EngineConfig

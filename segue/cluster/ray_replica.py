@@ -26,7 +26,7 @@ import ray
 import ray.exceptions
 
 from segue.async_engine import EngineDeadError
-from segue.cluster.front import ModelInfo
+from segue.cluster.model_info import ModelInfo
 from segue.cluster.ray_actor import EngineActor
 from segue.cluster.ray_health import ActorHealth
 from segue.cluster.replica import EngineReplica, ReplicaOutput

@@ -15,7 +15,7 @@ from segue.outputs import RequestOutput
 from segue.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from segue.cluster.front import ModelInfo
+    from segue.cluster.model_info import ModelInfo
     from segue.engine import LLMEngine
 
 ReplicaOutput = tuple[RequestOutput, LoadReport]

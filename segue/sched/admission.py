@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from segue.kv.block_pool import KVBlock
 from segue.request import Request, RequestStatus
 from segue.sched.output import SchedulerOutput
 from segue.sched.preemption import Room, holders_below, make_room
-
-if TYPE_CHECKING:
-    from segue.sched.scheduler import Scheduler
+from segue.sched.state import SchedulerState
 
 
 @dataclass
@@ -26,7 +23,7 @@ class _Blocked:
     swapping: bool = False  # make_room started swap-outs for it
 
 
-def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
+def admit_waiting(sched: SchedulerState, out: SchedulerOutput, budget: int,
                   scheduled: list[tuple[Request, int]]) -> int:
     """Admit waiting requests in key order until the budget, max_num_seqs or memory runs out;
     appends to `scheduled` and returns the budget left.
@@ -146,7 +143,7 @@ class LatencyCapacity:
     count: int
 
     @classmethod
-    def of(cls, sched: Scheduler) -> LatencyCapacity | None:
+    def of(cls, sched: SchedulerState) -> LatencyCapacity | None:
         limit = sched.config.latency_capacity_tokens
         if limit is None:
             return None
@@ -164,7 +161,7 @@ class LatencyCapacity:
         self.count += 1
 
 
-def room_for_holder(sched: Scheduler, holder: Request, num_new: int, out: SchedulerOutput) -> bool:
+def room_for_holder(sched: SchedulerState, holder: Request, num_new: int, out: SchedulerOutput) -> bool:
     """Preemptive policies, behind a blocked head: free the blocks a request that holds KV needs for
     its next tokens. Preserved paused contexts go first (InferCept's rule), then waiting holders
     that rank below it: swapped out when the host has room (the memory comes next step), else
@@ -188,7 +185,7 @@ def room_for_holder(sched: Scheduler, holder: Request, num_new: int, out: Schedu
     return sched.kv.num_free_blocks >= need
 
 
-def _discard(sched: Scheduler, req: Request) -> None:
+def _discard(sched: SchedulerState, req: Request) -> None:
     """Drop a waiting request's device KV; it recomputes when it runs again."""
     sched.kv.free(req)
     req.num_computed_tokens = 0
@@ -196,7 +193,7 @@ def _discard(sched: Scheduler, req: Request) -> None:
     sched.num_preemptions_total += 1
 
 
-def release_waiting_kv(sched: Scheduler, head: Request, need_blocks: int) -> bool:
+def release_waiting_kv(sched: SchedulerState, head: Request, need_blocks: int) -> bool:
     """When nothing runs, nothing will ever free memory: requests that wait while holding KV
     (resumed preserved or swapped-in contexts) could block the head of the queue forever.
     Drop the KV of the lowest-priority holders (they recompute later). True if any freed."""
@@ -224,7 +221,7 @@ def release_waiting_kv(sched: Scheduler, head: Request, need_blocks: int) -> boo
     return freed
 
 
-def _admit(sched: Scheduler, req: Request, num_new: int, num_hit: int,
+def _admit(sched: SchedulerState, req: Request, num_new: int, num_hit: int,
            scheduled: list[tuple[Request, int]]) -> None:
     if req.num_cached_tokens < 0:
         req.num_cached_tokens = num_hit
@@ -237,7 +234,7 @@ def _admit(sched: Scheduler, req: Request, num_new: int, num_hit: int,
     scheduled.append((req, num_new))
 
 
-def _count_resident_decodes(sched: Scheduler, limit: int) -> int:
+def _count_resident_decodes(sched: SchedulerState, limit: int) -> int:
     """How many waiting requests are resident decodes, counting no further than `limit`."""
     count = 0
     for req in sched.waiting_holders():
@@ -247,7 +244,7 @@ def _count_resident_decodes(sched: Scheduler, limit: int) -> int:
     return count
 
 
-def _is_resident_decode(sched: Scheduler, req: Request) -> bool:
+def _is_resident_decode(sched: SchedulerState, req: Request) -> bool:
     # Cheapest test first: under overload most waiting requests have computed nothing.
     return (req.num_computed_tokens > 0 and req.status != RequestStatus.SWAPPED
             and req.num_tokens - req.num_computed_tokens == 1 and sched.kv.num_device_blocks_of(req.request_id) > 0)

@@ -4,13 +4,10 @@ free for arrivals. Used by the Scheduler; pure Python."""
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
 
 from segue.request import Request, RequestStatus
 from segue.sched.output import SchedulerOutput
-
-if TYPE_CHECKING:
-    from segue.sched.scheduler import Scheduler
+from segue.sched.state import SchedulerState
 
 
 class Room(enum.Enum):
@@ -18,7 +15,7 @@ class Room(enum.Enum):
     NONE = "none"            # nothing to take: the head waits (vLLM's behaviour)
 
 
-def make_room(sched: Scheduler, head: Request, need: int, out: SchedulerOutput) -> Room:
+def make_room(sched: SchedulerState, head: Request, need: int, out: SchedulerOutput) -> Room:
     """Preemptive policies: swap out lower-priority requests that are not running this step, in
     the policy's preemption order, to free `need` device blocks for `head`.
 
@@ -51,7 +48,7 @@ def make_room(sched: Scheduler, head: Request, need: int, out: SchedulerOutput) 
     return Room.IN_FLIGHT
 
 
-def holders_below(sched: Scheduler, req: Request, partly_swapped_in: bool) -> list[Request]:
+def holders_below(sched: SchedulerState, req: Request, partly_swapped_in: bool) -> list[Request]:
     """The waiting requests that hold device KV and rank below `req` in the policy's order (with
     `partly_swapped_in`, also swapped requests with part of their context back on the device)."""
     key = sched.policy.key(req, sched.now)
@@ -61,13 +58,13 @@ def holders_below(sched: Scheduler, req: Request, partly_swapped_in: bool) -> li
     return [r for r in candidates if r is not req and sched.policy.key(r, sched.now) > key]
 
 
-def swap_budget_blocks(sched: Scheduler, out: SchedulerOutput) -> int:
+def swap_budget_blocks(sched: SchedulerState, out: SchedulerOutput) -> int:
     """Blocks the link can still copy behind this step's compute."""
     return (sched.cost.swap_limit(sched.last_batch_tokens) // sched.kv.block_size
             - len(out.blocks_to_swap_in) - len(out.blocks_to_swap_out))
 
 
-def swap_out(sched: Scheduler, req: Request, max_blocks: int, out: SchedulerOutput) -> int:
+def swap_out(sched: SchedulerState, req: Request, max_blocks: int, out: SchedulerOutput) -> int:
     """Move up to max_blocks of a waiting or swapped request's device KV to the host; a waiting
     one joins the swapped requests (swapped back in before it runs again). Blocks moved."""
     moved = sched.kv.swap_out_blocks(req, max_blocks)
@@ -79,7 +76,7 @@ def swap_out(sched: Scheduler, req: Request, max_blocks: int, out: SchedulerOutp
     return len(moved)
 
 
-def keep_reserve(sched: Scheduler, out: SchedulerOutput, reserve: int, now: float) -> None:
+def keep_reserve(sched: SchedulerState, out: SchedulerOutput, reserve: int, now: float) -> None:
     """Proactive swapping (FastServe §4.2): keep `reserve` device blocks free for arrivals, and
     room for the swapped request expected to run soonest when it outranks a resident one, by
     swapping out the requests that wait the longest, within what the link moves during this

@@ -8,17 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from segue.config import SchedulerConfig
-from segue.kv.manager import KVCacheManager
 from segue.request import Request, RequestStatus
-from segue.sched.cost_model import CostModel
 from segue.sched.admission import admit_waiting
-from segue.sched.interception import InterceptionPolicy, make_interception_policy
 from segue.sched.output import ScheduledSeq, SchedulerOutput
-from segue.sched.paused import PausedRequests
 from segue.sched.preemption import keep_reserve
-from segue.sched.request_queue import RequestQueue
-from segue.sched.policies import SchedulingPolicy
+from segue.sched.state import SchedulerState
 
 
 @dataclass
@@ -31,31 +25,7 @@ class SchedulerStats:
     prefix_cache_query_tokens: int
 
 
-class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: SchedulingPolicy,
-                 max_model_len: int, interception: InterceptionPolicy | None = None,
-                 cost: CostModel | None = None) -> None:
-        self.config = config
-        self.kv = kv
-        self.policy = policy
-        self.max_model_len = max_model_len
-        self.cost = cost or CostModel()
-        self.paused = PausedRequests(kv, interception or make_interception_policy("preserve"), self.cost)
-        self.last_batch_tokens = 0
-        # Tokens computed a second time (after a discard or a preemption), for waste accounting.
-        self.last_step_recompute_tokens = 0
-        self.requests: dict[str, Request] = {}
-        self.waiting = RequestQueue()
-        self.running: list[Request] = []
-        self.num_preemptions_total = 0
-        self.prefix_hit_tokens = 0
-        self.prefix_query_tokens = 0
-        # The clock of the latest step; hooks called between steps (finish, abort) use it.
-        self.now = 0.0
-        # Device blocks that this step's swap-outs free for a waiting higher-priority request:
-        # the next step's swap-ins must leave them to it.
-        self.earmarked_blocks = 0
-
+class Scheduler(SchedulerState):
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -97,16 +67,6 @@ class Scheduler:
         if self.paused.resume(request, tokens, now):
             self.waiting.append(request)
         self.policy.on_resumed(request, now)
-
-    def waiting_holders(self) -> list[Request]:
-        """The waiting requests that hold device KV, found through the KV tables: the pool bounds
-        them, while an overloaded waiting queue holds thousands and is scanned by no per-step pass."""
-        holders = []
-        for rid, table in self.kv.tables.items():
-            req = self.requests[rid]
-            if table and req.status == RequestStatus.WAITING:
-                holders.append(req)
-        return holders
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -8,7 +8,7 @@ Each app has its own registry so several apps (tests) can share a process.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,7 +17,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from segue.engine import LLMEngine
 
 if TYPE_CHECKING:
-    from segue.server.context import ServingContext
+    from segue.async_engine import AsyncLLMEngine
+    from segue.server.limits import ConcurrencyLimiter
+    from segue.server.sessions import SessionStore
+    from segue.tools.registry import ToolRegistry
+
+
+class MetricsSource(Protocol):
+    """What the metrics read of the serving context (context.py builds the metrics, so they name
+    only this, not the context)."""
+    engine: "AsyncLLMEngine"
+    sessions: "SessionStore"
+    limiter: "ConcurrencyLimiter"
+    tools: "ToolRegistry"
 
 _ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/sessions", "/health", "/metrics")
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -60,7 +72,7 @@ def engine_snapshot(e: LLMEngine) -> dict[str, Any]:
 class _EngineCollector:
     """Turns the latest snapshot into metric families (prometheus_client calls collect())."""
 
-    def __init__(self, ctx: "ServingContext") -> None:
+    def __init__(self, ctx: MetricsSource) -> None:
         self.ctx = ctx
         self.snapshot: dict[str, Any] | None = None
 
@@ -143,7 +155,7 @@ def _predictor_families(predictors: dict[str, Any]) -> Iterator[Metric]:
 
 
 class ServerMetrics:
-    def __init__(self, ctx: "ServingContext") -> None:
+    def __init__(self, ctx: MetricsSource) -> None:
         self.ctx = ctx
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry

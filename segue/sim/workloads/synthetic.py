@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from segue.bench.workloads.trace_request import TraceRequest
+from segue.sim.workloads.trace_request import TraceRequest
 
 KINDS: tuple[str, ...] = ("math", "qa", "ve", "chatbot", "tts", "image")
 

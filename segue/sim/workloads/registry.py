@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from segue.bench.arrivals import ArrivalProcess
-from segue.bench.workloads.trace_request import TraceRequest
+from segue.sim.arrivals import ArrivalProcess
+from segue.sim.workloads.trace_request import TraceRequest
 
 WORKLOAD_NAMES: tuple[str, ...] = ("infercept", "infercept-synthetic", "chat", "throughput")
 
@@ -76,19 +76,19 @@ def make_requests(spec: WorkloadSpec, max_model_len: int) -> tuple[list[TraceReq
     requests were left out for not fitting `max_model_len`."""
     rng = np.random.default_rng([spec.seed, 1])
     if spec.name == "throughput":
-        from segue.bench.workloads.chat import ThroughputMix
+        from segue.sim.workloads.chat import ThroughputMix
 
         if spec.prompt_len + spec.output_len >= max_model_len:
             raise ValueError(f"prompt + output ({spec.prompt_len + spec.output_len}) must fit the context "
                              f"({max_model_len})")
         return ThroughputMix(spec.prompt_len, spec.output_len).sample(spec.num_requests), 0
     if spec.name == "chat":
-        from segue.bench.workloads.chat import ChatMix
+        from segue.sim.workloads.chat import ChatMix
 
         return ChatMix(max_context=max_model_len - 1).sample(spec.num_requests, rng), 0
     if spec.name not in ("infercept", "infercept-synthetic"):
         raise ValueError(f"unknown workload {spec.name!r}; choose from {', '.join(WORKLOAD_NAMES)}")
-    from segue.bench.workloads.infercept import fit_to_context, load_infercept
+    from segue.sim.workloads.infercept import fit_to_context, load_infercept
 
     trace = load_infercept(spec.trace)
     if spec.kinds:
@@ -99,7 +99,7 @@ def make_requests(spec: WorkloadSpec, max_model_len: int) -> tuple[list[TraceReq
     if spec.name == "infercept":
         picks = rng.integers(0, len(kept), size=spec.num_requests)
         return [kept[int(i)] for i in picks], dropped
-    from segue.bench.workloads.synthetic import SyntheticInfercept
+    from segue.sim.workloads.synthetic import SyntheticInfercept
 
     synth = SyntheticInfercept(kept)
     out: list[TraceRequest] = []

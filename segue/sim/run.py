@@ -7,7 +7,6 @@ import json
 import os
 import shlex
 import sys
-import time
 from typing import Any
 
 from segue.config import SchedulerConfig
@@ -110,7 +109,7 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
 
 def load_workload(args: argparse.Namespace, max_model_len: int) -> tuple[list[Any], int]:
     """The trace (filtered by kind) and how many requests were dropped for not fitting."""
-    from segue.bench.workloads.infercept import fit_to_context, load_infercept
+    from segue.sim.workloads.infercept import fit_to_context, load_infercept
 
     trace = load_infercept(args.trace)
     if args.kinds:
@@ -128,7 +127,7 @@ def draw(trace: list[Any], n: int, rate: float, seed: int, arrival: str = "poiss
     rate has its own seeded draw."""
     import numpy as np
 
-    from segue.bench.arrivals import ArrivalProcess
+    from segue.sim.arrivals import ArrivalProcess
 
     rng = np.random.default_rng([seed, round(rate * 1000)])
     picks = rng.integers(0, len(trace), size=n)
@@ -144,7 +143,7 @@ def plot_latency_vs_rate(rows: list[dict[str, Any]], path: str, title: str) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from segue.bench.replay import row_metrics
+    from segue.sim.replay import row_metrics
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for policy in dict.fromkeys(r["policy"] for r in rows):
@@ -166,9 +165,9 @@ def plot_latency_vs_rate(rows: list[dict[str, Any]], path: str, title: str) -> N
 
 
 def run_sim(args: argparse.Namespace) -> int:
-    from segue.bench.replay import render_markdown, replay
+    from segue.sim.replay import render_markdown, replay
     from segue.config import CacheConfig, EngineConfig, PredictorConfig, SchedulerConfig
-    from segue.executor.sim_executor import make_sim_engine
+    from segue.sim.engine import make_sim_engine
     from segue.sched.cost_model import PRESETS, CostModel
 
     if args.preset in PRESETS:
@@ -242,14 +241,8 @@ def run_sim(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # `python -m segue.sim ...`, the same as `segue sim ...` (scripts patch and call this).
+    # `python -m segue.sim ...` (see __main__.py), the same as `segue sim ...`.
     p = argparse.ArgumentParser(prog="segue sim", description=__doc__)
     add_sim_args(p)
     return run_sim(p.parse_args(argv))
 
-
-if __name__ == "__main__":
-    t0 = time.perf_counter()
-    rc = main()
-    print(f"total {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    sys.exit(rc)

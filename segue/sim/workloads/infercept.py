@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from segue.bench.workloads.trace_request import TraceRequest
+from segue.sim.workloads.trace_request import TraceRequest
 
 DEFAULT_DIR = Path(os.environ.get("SEGUE_WORKLOADS", Path(__file__).resolve().parents[4] / "shared" / "workloads"))
 _HEX = re.compile(r"^[0-9a-f]{32}$")

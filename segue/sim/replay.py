@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from segue.bench.metrics import RequestRecord, summarize
-from segue.bench.workloads.trace_request import TraceRequest
+from segue.sim.metrics import RequestRecord, summarize
+from segue.sim.workloads.trace_request import TraceRequest
 from segue.sampling_params import SamplingParams
 from segue.sched.waste import WasteTotals
 

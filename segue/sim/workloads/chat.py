@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from segue.bench.workloads.trace_request import TraceRequest
+from segue.sim.workloads.trace_request import TraceRequest
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,52 @@
+"""Engine flags shared by `segue serve/generate/profile` and the benchmarks, and the EngineConfig
+they describe (vLLM's EngineArgs). Lives beside config, below the cli and bench that use it."""
+from __future__ import annotations
+
+import argparse
+
+from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="a .gguf file or Hugging Face checkpoint directory "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    g.add_argument("--kv-cache-tokens", type=int, default=CacheConfig.kv_cache_tokens,
+                   help="device KV pool size in tokens")
+    g.add_argument("--kv-cache-bytes", type=int, default=None, help="device KV pool size in bytes (overrides tokens)")
+    g.add_argument("--swap-space-tokens", type=int, default=CacheConfig.swap_space_tokens)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    g.add_argument("--watermark", type=float, default=SchedulerConfig.watermark,
+                   help="fraction of the KV pool kept free when admitting new requests (default: 0)")
+    g.add_argument("--latency-capacity-tokens", type=int, default=None,
+                   help="Parrot's latency capacity: while a latency-sensitive request runs (plain API requests "
+                        "are), the running requests hold at most this many tokens; a program's throughput "
+                        "task group alone may fill the pool (default: no cap)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--policy", default=SchedulerConfig.policy, help="scheduling policy name")
+    g.add_argument("--interception-policy", default=SchedulerConfig.interception_policy,
+                   help="discard, improved-discard, preserve, swap, ttl or min-waste")
+    g.add_argument("--profile", dest="profile_path", default=None, help="a `segue profile` JSON")
+    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=ModelLoadConfig(model=args.model, dtype=args.dtype, device=args.device,
+                              served_model_name=args.served_model_name),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
+                          kv_cache_bytes=args.kv_cache_bytes, swap_space_tokens=args.swap_space_tokens,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                                  watermark=args.watermark, latency_capacity_tokens=args.latency_capacity_tokens,
+                                  policy=args.policy, interception_policy=args.interception_policy,
+                                  profile_path=args.profile_path),
+        num_threads=args.threads,
+    ).validate()

@@ -1,0 +1,171 @@
+"""The import graph of segue/ has no cycles and no module imports one above it.
+
+The layer order is the one docs/ARCHITECTURE.md states. Every import counts: top-level, inside
+functions (late imports) and under TYPE_CHECKING, since each is a dependency a reader must follow.
+Pure ast over the source files; nothing is imported."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Lowest first. A module may import its own layer and the ones before it, never a later one.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundation", ("segue.sampling_params", "segue.outputs", "segue.request", "segue.request_state",
+                    "segue.trace", "segue.config", "segue.engine_args", "segue.detokenizer", "segue.tools")),
+    ("kv", ("segue.kv",)),
+    ("sched", ("segue.sched",)),
+    ("model", ("segue.model",)),
+    ("executor", ("segue.executor",)),
+    ("predict", ("segue.predict",)),
+    ("engine", ("segue.engine", "segue.profiler")),
+    ("async", ("segue.async_engine", "segue.llm")),
+    ("cluster", ("segue.cluster",)),
+    ("program", ("segue.program",)),
+    ("server", ("segue.server",)),
+    ("sim", ("segue.sim",)),
+    ("bench", ("segue.bench",)),
+    ("cli", ("segue.cli", "segue")),
+]
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    mods = {}
+    for path in sorted((ROOT / "segue").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts = parts[:-1]
+        mods[".".join(parts)] = (path, is_pkg)
+    return mods
+
+
+def _targets(module: str, is_pkg: bool, node: ast.Import | ast.ImportFrom, mods: dict) -> set[str]:
+    """The segue modules an import statement names (a name imported from a package counts as the
+    submodule when there is one, else as the package)."""
+    names: list[str] = []
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        if node.level:
+            base = module.split(".") if is_pkg else module.split(".")[:-1]
+            base = base[:len(base) - (node.level - 1)]
+            source = ".".join(base + ([node.module] if node.module else []))
+        else:
+            source = node.module or ""
+        names = [f"{source}.{a.name}" if f"{source}.{a.name}" in mods else source for a in node.names]
+    found = set()
+    for name in names:
+        if name.split(".")[0] != "segue":
+            continue
+        while name not in mods:
+            name = name.rsplit(".", 1)[0]
+        if name != module:
+            found.add(name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph = {}
+    for module, (path, is_pkg) in mods.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        graph[module] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                graph[module] |= _targets(module, is_pkg, node, mods)
+    return graph
+
+
+def layer_of(module: str) -> int | None:
+    best: tuple[int, int] | None = None  # (prefix length, layer index): the longest prefix decides
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[0]:
+                    best = (len(prefix), index)
+    return None if best is None else best[1]
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_every_module_has_a_layer():
+    unplaced = [m for m in import_graph() if layer_of(m) is None]
+    assert not unplaced, f"add these modules to LAYERS (and docs/ARCHITECTURE.md): {unplaced}"
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles between segue modules:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_upward_imports():
+    upward = []
+    for module, targets in sorted(import_graph().items()):
+        for target in sorted(targets):
+            lo, hi = layer_of(module), layer_of(target)
+            if lo is not None and hi is not None and hi > lo:
+                upward.append(f"{module} ({LAYERS[lo][0]}) imports {target} ({LAYERS[hi][0]})")
+    assert not upward, "imports that go up the layer order:\n" + "\n".join(upward)
+
+
+def test_layer_order_is_the_documented_one():
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    stated = [line.split("`")[1] for line in doc.splitlines() if line.startswith("| ") and line.count("`") >= 2
+              and line.split("`")[1] in {name for name, _ in LAYERS}]
+    assert stated == [name for name, _ in LAYERS], "docs/ARCHITECTURE.md's layer table and LAYERS disagree"
+
+
+@pytest.mark.parametrize("graph,expected", [
+    ({"a": {"b"}, "b": {"a"}, "c": set()}, [["a", "b"]]),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, [["a", "b", "c"]]),
+    ({"a": {"b"}, "b": set()}, []),
+])
+def test_cycle_finder(graph, expected):
+    assert find_cycles(graph) == expected
