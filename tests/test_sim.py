@@ -1,21 +1,23 @@
 """The simulator: virtual-clock step costs, and trace replay through the real scheduler on it."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from segue.sim.metrics import normalized_latency
-from segue.sim.replay import replay
-from segue.sim.workloads.infercept import load_infercept
-from segue.sim.workloads.trace_request import TraceRequest
 from segue.config import CacheConfig, EngineConfig, SchedulerConfig
 from segue.executor.sim_executor import SIM_TOKEN_ID, SimClock, SimExecutor
-from segue.sim.engine import make_sim_engine
 from segue.request import Request
 from segue.sampling_params import SamplingParams
 from segue.sched.cost_model import PRESETS
 from segue.sched.interception import INTERCEPTION_POLICIES
 from segue.sched.output import ScheduledSeq, SchedulerOutput
+from segue.sim.engine import make_sim_engine
+from segue.sim.metrics import normalized_latency
+from segue.sim.replay import replay
 from segue.sim.run import draw
+from segue.sim.workloads.infercept import load_infercept
+from segue.sim.workloads.trace_request import TraceRequest
 
 GPTJ = PRESETS["gptj-6b-a100"]
 
@@ -100,12 +102,7 @@ def _checked_replay(engine, reqs, arrivals, seed=0):
 
 @pytest.fixture(scope="module")
 def trace() -> list[TraceRequest]:
-    # The trace is shared data beside the checkout (../shared/workloads), never copied into the
-    # repo; a checkout without it skips these tests and says why.
-    try:
-        return load_infercept()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    return load_infercept()  # the packaged copy (segue/sim/data/infercept)
 
 
 @pytest.mark.parametrize("policy", sorted(INTERCEPTION_POLICIES))
@@ -207,3 +204,41 @@ def test_a_step_that_only_preempts_is_not_idle() -> None:
     engine.scheduler.schedule = lambda now: SchedulerOutput()
     engine.step()
     assert engine.last_step_idle
+
+
+# ---- the packaged trace ----------------------------------------------------------------------
+
+def test_packaged_trace_is_the_default_and_matches_its_notice(monkeypatch):
+    import gzip
+    import hashlib
+
+    from segue.sim.workloads.infercept import PACKAGED_DIR, trace_path
+
+    monkeypatch.delenv("SEGUE_WORKLOADS", raising=False)
+    notice = (PACKAGED_DIR / "NOTICE").read_text()
+    assert (PACKAGED_DIR / "LICENSE").read_text().lstrip().startswith("Apache License")
+    for name in ("merged_exp_uniform.json", "single_interception_merged_exp_uniform.json"):
+        path = trace_path(name)
+        assert path == PACKAGED_DIR / f"{name}.gz"
+        digest = hashlib.sha256(gzip.decompress(path.read_bytes())).hexdigest()
+        assert f"sha256 {digest}  {name}" in notice  # unchanged content, as the NOTICE says
+    trace = load_infercept()
+    assert len(trace) == 397
+    assert {r.kind for r in trace} == {"math", "qa", "ve", "chatbot", "tts", "image"}
+
+
+def test_segue_workloads_overrides_the_packaged_trace(monkeypatch, tmp_path):
+    from segue.sim.workloads.infercept import trace_path
+
+    (tmp_path / "infercept").mkdir()
+    trace = {"0123456789abcdef0123456789abcdef": [
+        {"prompt_tokens": 10, "completion_tokens": 3, "api_time": 0.5, "api_token_length": 4},
+        {"prompt_tokens": 17, "completion_tokens": 2}]}
+    (tmp_path / "infercept" / "merged_exp_uniform.json").write_text(json.dumps(trace))
+    monkeypatch.setenv("SEGUE_WORKLOADS", str(tmp_path))
+    assert trace_path() == tmp_path / "infercept" / "merged_exp_uniform.json"
+    (req,) = load_infercept()
+    assert (req.kind, req.prompt_tokens, req.segments) == ("qa", 10, [(3, 0.5, 4), (2, None, 0)])
+    monkeypatch.setenv("SEGUE_WORKLOADS", str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="SEGUE_WORKLOADS"):
+        trace_path()

@@ -67,7 +67,8 @@ def add_workload_args(p: argparse.ArgumentParser, num_requests_default: int | No
     g.add_argument("--cv", type=float, default=1.0, help="gamma arrivals' coefficient of variation")
     g.add_argument("--kinds", default=None, help="only these trace kinds (comma list of math, qa, ve, "
                    "chatbot, tts, image)")
-    g.add_argument("--trace", default=None, help="InferCept trace JSON (default: merged_exp_uniform.json)")
+    g.add_argument("--trace", default=None, help="InferCept trace JSON, plain or .gz (default: the packaged "
+                   "merged_exp_uniform.json, or DIR/infercept/ when SEGUE_WORKLOADS=DIR)")
     g.add_argument("--seed", type=int, default=0, help="seeds request sampling, arrivals and token ids")
     g.add_argument("--latency-slo", type=float, default=0.5,
                    help="mean normalized latency (s/token) a sustainable rate must meet (default: 0.5)")

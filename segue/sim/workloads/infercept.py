@@ -1,10 +1,13 @@
-"""The InferCept six-augmentation trace (../shared/workloads/infercept; see its README).
+"""The InferCept six-augmentation trace, shipped gzip-compressed in segue/sim/data/infercept
+(Apache-2.0; origin and format in its NOTICE). SEGUE_WORKLOADS=DIR reads DIR/infercept/<name>
+(plain or .gz) instead.
 
 Segments are the model generating `completion_tokens`, then an interception of `api_time`
 seconds after which `api_token_length` tokens are appended. Text-form segments are counted with
 the tokenizer given (token counts otherwise come from GPT-J's tokenizer, as recorded)."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -13,16 +16,27 @@ from typing import Callable
 
 from segue.sim.workloads.trace_request import TraceRequest
 
-DEFAULT_DIR = Path(os.environ.get("SEGUE_WORKLOADS", Path(__file__).resolve().parents[4] / "shared" / "workloads"))
+PACKAGED_DIR = Path(__file__).resolve().parents[1] / "data" / "infercept"
 _HEX = re.compile(r"^[0-9a-f]{32}$")
 
 
 def trace_path(name: str = "merged_exp_uniform.json") -> Path:
-    for base in (DEFAULT_DIR, Path.cwd().parent / "shared" / "workloads", Path.cwd() / "shared" / "workloads"):
-        path = base / "infercept" / name
-        if path.exists():
-            return path
-    raise FileNotFoundError(f"InferCept trace {name} not found (set SEGUE_WORKLOADS to the workloads dir)")
+    """The trace file: under $SEGUE_WORKLOADS/infercept when that is set (an override, e.g. a
+    newer copy), else the packaged copy."""
+    override = os.environ.get("SEGUE_WORKLOADS")
+    base = Path(override) / "infercept" if override else PACKAGED_DIR
+    for candidate in (base / name, base / f"{name}.gz"):
+        if candidate.exists():
+            return candidate
+    where = f"SEGUE_WORKLOADS={override}" if override else f"the package ({PACKAGED_DIR})"
+    raise FileNotFoundError(f"InferCept trace {name} not found in {where}")
+
+
+def read_trace_json(path: Path) -> dict:
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return json.load(f)
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def classify(key: str, segments: list[dict]) -> str:
@@ -39,7 +53,7 @@ def classify(key: str, segments: list[dict]) -> str:
 def load_infercept(path: str | Path | None = None, count_tokens: Callable[[str], int] | None = None,
                    ) -> list[TraceRequest]:
     path = Path(path) if path else trace_path()
-    data = json.loads(Path(path).read_text())
+    data = read_trace_json(Path(path))
     count = count_tokens or (lambda s: max(1, round(len(s.split()) * 1.3)))
     requests = []
     for key, segs in data.items():

@@ -55,7 +55,8 @@ def add_workload_args(p: argparse.ArgumentParser, num_requests: int = 32, worklo
     g.add_argument("--cv", type=float, default=1.0, help="gamma arrivals' coefficient of variation (default: 1)")
     g.add_argument("--kinds", default=None,
                    help="infercept workloads: only these kinds (comma list of math, qa, ve, chatbot, tts, image)")
-    g.add_argument("--trace", default=None, help="InferCept trace JSON (default: merged_exp_uniform.json)")
+    g.add_argument("--trace", default=None, help="InferCept trace JSON, plain or .gz (default: the packaged "
+                   "merged_exp_uniform.json, or DIR/infercept/ when SEGUE_WORKLOADS=DIR)")
     g.add_argument("--prompt-len", type=int, default=256, help="throughput mix: prompt tokens (default: 256)")
     g.add_argument("--output-len", type=int, default=128, help="throughput mix: output tokens (default: 128)")
     g.add_argument("--seed", type=int, default=0, help="seeds requests, arrivals and token ids (default: 0)")
