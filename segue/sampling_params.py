@@ -5,7 +5,14 @@ from dataclasses import dataclass, field
 
 
 class InvalidRequestError(ValueError):
-    """Raised for client mistakes; the server maps it to a 400 response."""
+    """Raised for client mistakes; the server maps it to a 400 response whose `param` names the
+    offending field and whose `code` says what is wrong with it (OpenAI's invalid_value for a value
+    out of range, unsupported_value for one Segue does not support)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 @dataclass
@@ -40,31 +47,31 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def bad(msg: str) -> None:
-            raise InvalidRequestError(msg)
+        def bad(param: str, msg: str) -> None:
+            raise InvalidRequestError(msg, param=param, code="invalid_value")
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not (0.0 <= self.temperature <= 100.0):
-            bad(f"temperature must be a number in [0, 100], got {self.temperature!r}")
+            bad("temperature", f"temperature must be a number in [0, 100], got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad(f"top_k must be an integer >= 0 (or -1 to disable), got {self.top_k!r}")
+            bad("top_k", f"top_k must be an integer >= 0 (or -1 to disable), got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}")
+            bad("seed", f"seed must be an integer, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+            bad("logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop must be a list of non-empty strings")
+            bad("stop", "stop must be a list of non-empty strings")
         if len(self.stop) > 16:
-            bad("at most 16 stop strings are allowed")
+            bad("stop", "at most 16 stop strings are allowed")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids must be non-negative integers")
+            bad("stop_token_ids", "stop_token_ids must be non-negative integers")
         if not isinstance(self.pause_on_stop, bool):
-            bad(f"pause_on_stop must be a boolean, got {self.pause_on_stop!r}")
+            bad("pause_on_stop", f"pause_on_stop must be a boolean, got {self.pause_on_stop!r}")
         if not isinstance(self.pause_on_length, bool):
-            bad(f"pause_on_length must be a boolean, got {self.pause_on_length!r}")
+            bad("pause_on_length", f"pause_on_length must be a boolean, got {self.pause_on_length!r}")
 
     @property
     def greedy(self) -> bool:

@@ -280,6 +280,36 @@ def test_errors_and_tenants(http: httpx.Client, server: ServerThread) -> None:
     _error(http.get(f"/v1/programs/variables/{y}"), 404)
 
 
+def test_program_ids_are_scoped_to_the_api_key(http: httpx.Client, server: ServerThread,
+                                               scripted: tuple[Any, ScriptedModel],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A program_id named in a completion is the engine's program of that key only: key A's own
+    requests join its program's calls; key B naming the same id gets a program of its own."""
+    engine = scripted[0]
+    seen: list[str | None] = []
+    generate = engine.generate
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("program_id"))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", recording)
+    pid = _program(http)
+    body = {"prompt": "scoped program", "max_tokens": 2, "program_id": pid}
+    _ok(http.post("/v1/completions", json=body))
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY_B}"}, timeout=60) as other:
+        _ok(other.post("/v1/completions", json=body))
+        _ok(other.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": 2, "program_id": pid}))
+    out = _call(http, pid, "scoped call {{output:o}}", {}, max_tokens=2)["output"]["id"]
+    assert _ok(http.get(f"/v1/programs/variables/{out}", params={"timeout": 30}))["status"] == "ready"
+    a_request, b_request, b_chat, a_call = seen
+    assert a_request == a_call and pid in a_request
+    assert b_request == b_chat and pid in b_request and b_request != a_request
+    _ok(http.delete(f"/v1/programs/{pid}"))
+    wait_idle(engine)
+
+
 def test_delete_cancels_running_calls(http: httpx.Client, scripted: tuple[Any, ScriptedModel]) -> None:
     engine = scripted[0]
     pid = _program(http)

@@ -197,6 +197,28 @@ def test_errors(server: ServerThread, client: openai.OpenAI, model: str, engine:
     wait_idle(engine)
 
 
+def test_value_errors_name_their_param(server: ServerThread, model: str) -> None:
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = [("/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": -1}, "temperature", "invalid_value"),
+             ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "invalid_value"),
+             ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "top_p": 0}, "top_p", "invalid_value"),
+             ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 21}, "logprobs", "invalid_value"),
+             ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 17}, "n", "invalid_value"),
+             ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": True}, "echo", "unsupported_value"),
+             ("/v1/chat/completions", {**chat, "temperature": 101}, "temperature", "invalid_value"),
+             ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+              "invalid_value"),
+             ("/v1/chat/completions", {**chat, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
+             ("/v1/chat/completions", {**chat, "max_completion_tokens": 0}, "max_completion_tokens",
+              "invalid_value"),
+             ("/v1/chat/completions", {**chat, "presence_penalty": 1.0}, "presence_penalty", "unsupported_value"),
+             ("/v1/chat/completions", {**chat, "tool_choice": "sometimes"}, "tool_choice", "invalid_value")]
+    for path, body, param, code in cases:
+        err = _assert_error(_post(server, path, json=body), 400)
+        assert (err["param"], err["code"]) == (param, code), (body, err)
+        assert err["type"] == "invalid_request_error" and param in err["message"]
+
+
 def test_api_keys(engine: AsyncLLMEngine, model: str) -> None:
     with ServerThread(create_app(engine, api_keys=[API_KEY, "other"])) as s:
         assert httpx.get(s.url + "/health").status_code == 200

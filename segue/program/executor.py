@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from segue.async_engine import EngineDeadError
 from segue.outputs import RequestOutput
 from segue.program.graph import CallObjective, CycleError
-from segue.program.registry import ProgramLimits, ProgramRegistry
+from segue.program.registry import ProgramLimits, ProgramRegistry, scoped_program_id
 from segue.program.state import Call, CallSpec, CallState, ConflictError, Program, ProgramError
 from segue.program.template import prefix_hashes
 from segue.program.transforms import TransformError, apply_all
@@ -77,7 +77,7 @@ class ProgramExecutor:
         """Cancel the program's calls (aborting their engine requests), forget its variables and
         its replica binding."""
         program = self.registry.delete(owner, program_id)
-        self.engine.forget_program(program.id)
+        self.engine.forget_program(scoped_program_id(program.owner, program.id))
         return program
 
     def create_variable(self, owner: str | None, program_id: str, name: str,
@@ -219,7 +219,7 @@ class ProgramExecutor:
         try:
             final: RequestOutput | None = None
             async for out in self.engine.generate(prompt, params, request_id=call.id, priority=call.priority or 0,
-                                                  program_id=program.id,
+                                                  program_id=scoped_program_id(program.owner, program.id),
                                                   latency_sensitive=call.criteria != Criteria.THROUGHPUT.value,
                                                   **program.hints):
                 released.set()  # the first output comes after the prompt's KV is computed and cached

@@ -26,6 +26,13 @@ class ProgramLimits:
     idle_ttl_s: float = 3600.0
 
 
+def scoped_program_id(owner: str | None, program_id: str) -> str:
+    """The engine's name for a tenant's program (program-level policies, replica binding). Program
+    ids in chat and completion requests are client-chosen labels, so two tenants naming the same id
+    must not become one program, nor may one tenant add to another's program by naming its id."""
+    return program_id if owner is None else f"{owner}/{program_id}"
+
+
 class ProgramRegistry:
     def __init__(self, limits: ProgramLimits | None = None,
                  on_drop: Callable[[Program], None] | None = None) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import Request
 
 from segue.outputs import RequestOutput
+from segue.program.registry import scoped_program_id
 from segue.sampling_params import InvalidRequestError
 from segue.server.auth import cache_salt
 from segue.server.chat_tools import SteeredParser, ToolSetup
@@ -101,10 +102,10 @@ async def start_fresh(ctx: ServingContext, request: Request, body: ChatCompletio
     params.pause_on_stop = params.pause_on_length = session is not None or bool(body.open_session)
     parser = SteeredParser(setup.forced_prefix) if setup.enabled else None
     rid = random_id("chatcmpl")
-    hints = {**body.engine_hints(), **ctx.generate_hints(cache_salt(tenant))}
+    hints = {**body.engine_hints(tenant), **ctx.generate_hints(cache_salt(tenant))}
     if session is not None:
         # A session is one conversation: the program of program-level policies when none is named.
-        hints.setdefault("program_id", session.session_id)
+        hints.setdefault("program_id", scoped_program_id(tenant, session.session_id))
     gen = ctx.engine.generate(prompt_ids, params, request_id=rid, tool_parser=parser, **hints)
     if session is not None:
         session.active_request_id = rid

@@ -98,7 +98,8 @@ def resolve_tools(tools: list[Any] | None, tool_choice: str | dict[str, Any] | N
         name = fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) else None
         if not isinstance(name, str):
             raise InvalidRequestError('tool_choice must be "none", "auto", "required" or '
-                                      '{"type": "function", "function": {"name": ...}}')
+                                      '{"type": "function", "function": {"name": ...}}', param="tool_choice",
+                                      code="invalid_value")
         if name not in client_names | server_names:
             raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
         setup.forced_prefix = '<tool_call>{"name": ' + json.dumps(name) + ', "arguments": '
@@ -107,7 +108,8 @@ def resolve_tools(tools: list[Any] | None, tool_choice: str | dict[str, Any] | N
             raise APIError(400, 'tool_choice "required" needs at least one tool', param="tool_choice")
         setup.forced_prefix = "<tool_call>"
     elif choice != "auto":
-        raise InvalidRequestError(f'tool_choice must be "none", "auto", "required" or a function, got {choice!r}')
+        raise InvalidRequestError(f'tool_choice must be "none", "auto", "required" or a function, got {choice!r}',
+                                  param="tool_choice", code="invalid_value")
     return setup
 
 

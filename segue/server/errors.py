@@ -67,7 +67,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc))
+        return APIError(400, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, (RequestValidationError, ValidationError)):
         return _validation_error(exc.errors())
     if isinstance(exc, EngineDeadError):

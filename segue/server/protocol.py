@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from segue.program.registry import scoped_program_id
 from segue.sampling_params import InvalidRequestError, SamplingParams
 from segue.server.errors import APIError
 
@@ -86,17 +87,19 @@ class _SamplingRequest(_Request):
 
     def check_supported(self) -> None:
         if not 1 <= self.num_choices <= MAX_N:
-            raise APIError(400, f"n must be an integer in [1, {MAX_N}], got {self.n}", param="n")
+            raise APIError(400, f"n must be an integer in [1, {MAX_N}], got {self.n}", param="n",
+                           code="invalid_value")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
-                raise InvalidRequestError(f"{name} is not supported yet (only 0 is accepted)")
+                raise InvalidRequestError(f"{name} is not supported yet (only 0 is accepted)", param=name,
+                                          code="unsupported_value")
 
-    def engine_hints(self) -> dict[str, Any]:
+    def engine_hints(self, tenant: str | None) -> dict[str, Any]:
         hints: dict[str, Any] = {}
         if self.priority is not None:
             hints["priority"] = self.priority
         if self.program_id is not None:
-            hints["program_id"] = self.program_id
+            hints["program_id"] = scoped_program_id(tenant, self.program_id)
         return hints
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -117,13 +120,14 @@ class CompletionRequest(_SamplingRequest):
         super().check_supported()
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) \
                 and len(self.prompt) != 1:
-            raise InvalidRequestError("batched prompts are not supported yet; send one prompt per request")
+            raise InvalidRequestError("batched prompts are not supported yet; send one prompt per request",
+                                      param="prompt", code="unsupported_value")
         if self.echo:
-            raise InvalidRequestError("echo is not supported yet")
+            raise InvalidRequestError("echo is not supported yet", param="echo", code="unsupported_value")
         if self.suffix:
-            raise InvalidRequestError("suffix is not supported")
+            raise InvalidRequestError("suffix is not supported", param="suffix", code="unsupported_value")
         if self.best_of not in (None, 1):
-            raise InvalidRequestError("best_of > 1 is not supported yet")
+            raise InvalidRequestError("best_of > 1 is not supported yet", param="best_of", code="unsupported_value")
 
     def single_prompt(self) -> str | list[int]:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
@@ -165,7 +169,7 @@ class ChatMessage(_Request):
             for part in self.content:
                 if part.type != "text" or part.text is None:
                     raise InvalidRequestError(f"content parts of type {part.type!r} are not supported; "
-                                              "only text parts are")
+                                              "only text parts are", param="messages", code="unsupported_value")
             return "".join(part.text or "" for part in self.content)
         return self.content or ""
 
@@ -193,13 +197,25 @@ class ChatCompletionRequest(_SamplingRequest):
             raise APIError(400, "n > 1 cannot be combined with sessions (session_id, open_session): a session "
                                 "continues one conversation", param="n")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("response_format other than text is not supported yet")
+            raise InvalidRequestError("response_format other than text is not supported yet", param="response_format",
+                                      code="unsupported_value")
         if self.top_logprobs is not None and not self.logprobs:
-            raise InvalidRequestError("top_logprobs requires logprobs to be true")
+            raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs",
+                                      code="invalid_value")
+        # Chat's top_logprobs is the engine's logprobs count: checked here so the error names it.
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise InvalidRequestError(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs}",
+                                      param="top_logprobs", code="invalid_value")
 
     def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         # max_completion_tokens is OpenAI's replacement for the deprecated max_tokens.
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is None:
             max_tokens = default_max_tokens(prompt_len, max_model_len)
-        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        try:
+            return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        except InvalidRequestError as e:
+            if e.param == "max_tokens" and self.max_completion_tokens is not None:
+                raise InvalidRequestError(str(e).replace("max_tokens", "max_completion_tokens", 1),
+                                          param="max_completion_tokens", code=e.code) from None
+            raise

@@ -73,7 +73,8 @@ async def completions(request: Request) -> Response:
         deadline = Deadline(ctx.config.request_timeout_s)
         prompt_ids = await ctx.tokenize(body.single_prompt())
         rid, created = random_id("cmpl"), int(time.time())
-        hints = {**body.engine_hints(), **ctx.generate_hints(cache_salt(tenant_of(request)))}
+        tenant = tenant_of(request)
+        hints = {**body.engine_hints(tenant), **ctx.generate_hints(cache_salt(tenant))}
 
         async def start(index: int) -> Prepended | None:
             params = body.to_sampling_params(len(prompt_ids), ctx.max_model_len)

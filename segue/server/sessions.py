@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from segue.program.registry import scoped_program_id
 from segue.server.chat_tools import SteeredParser
 from segue.server.errors import APIError
 
@@ -151,7 +152,7 @@ class SessionStore:
     def _release(self, session: Session) -> None:
         self._sessions.pop(session.session_id, None)
         if self._forget_program is not None:
-            self._forget_program(session.session_id)
+            self._forget_program(scoped_program_id(session.tenant, session.session_id))
         held = self.take_held(session)
         if held is not None:
             self._abort(held.request_id)
