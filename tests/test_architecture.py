@@ -169,3 +169,18 @@ def test_layer_order_is_the_documented_one():
 ])
 def test_cycle_finder(graph, expected):
     assert find_cycles(graph) == expected
+
+
+def test_readme_and_docs_link_only_into_the_repo():
+    """A lone clone is all a user has: relative links must point at files in it."""
+    import re
+
+    bad = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text(encoding="utf-8")):
+            if re.match(r"^[a-z]+://|^#|^mailto:", target):
+                continue
+            path = (doc.parent / target.split("#", 1)[0]).resolve()
+            if not path.is_relative_to(ROOT) or not path.exists():
+                bad.append(f"{doc.name}: {target}")
+    assert not bad, f"links outside the repository or to missing files: {bad}"
