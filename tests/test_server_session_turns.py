@@ -10,7 +10,9 @@ import pytest
 
 from conftest import default_tokenizer
 from segue.async_engine import AsyncLLMEngine
+from segue.program.registry import scoped_program_id
 from segue.server.app import create_app
+from segue.server.auth import tenant_id
 from segue.server.config import ServerConfig
 from segue.server.templating import ChatRenderer
 from test_server_sessions import KEY_A, KEY_B, chat, close, make_client, scripted_text
@@ -160,8 +162,9 @@ def test_human_turn_edge_cases(server: ServerThread, engine: AsyncLLMEngine, fir
     assert again.choices[0].finish_reason == "length" and again.usage.prompt_tokens_details.cached_tokens \
         < again.usage.prompt_tokens
     assert held_rid not in paused_ids(engine)
-    # The fresh request of a session counts as the session's program (program-level policies).
-    assert list(first_turn.programs.values())[-1] == session
+    # The fresh request of a session counts as the session's program (program-level policies),
+    # named within its API key's scope.
+    assert list(first_turn.programs.values())[-1] == scoped_program_id(tenant_id(KEY_A.encode()), session)
     assert close(server, session, KEY_A) == 200
     wait_idle(engine)
 
