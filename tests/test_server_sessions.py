@@ -11,7 +11,9 @@ import openai
 import pytest
 
 from segue.async_engine import AsyncLLMEngine
+from segue.program.registry import scoped_program_id
 from segue.server.app import create_app
+from segue.server.auth import tenant_id
 from segue.server.config import ServerConfig
 from segue.tools.registry import ToolRegistry
 from test_server_support import (  # noqa: F401  (engine, setup: shared pytest fixtures)
@@ -134,7 +136,8 @@ def test_streamed_tool_calls_and_close_frees_kv(server: ServerThread, engine: As
     # The extensions reached the engine: scheduling hints, and the client's duration estimate.
     paused = on_engine(engine, lambda e: [(r.priority, r.program_id, r.interception.expected_duration)
                                           for r in e.scheduler.paused.paused.values()])
-    assert paused == [(5, "prog-7", 42.0)]
+    # program_id is scoped to the API key (another key naming "prog-7" is another program).
+    assert paused == [(5, scoped_program_id(tenant_id(KEY_A.encode()), "prog-7"), 42.0)]
     assert close(server, session, KEY_A, how="post") == 200
     wait_idle(engine)  # closing aborted the paused request: zero blocks held
 

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from conftest import default_tokenizer
+from segue.program.registry import scoped_program_id
 from segue.server.chat_tools import SteeredParser
 from segue.server.errors import APIError
 from segue.server.protocol import ChatMessage
@@ -125,7 +126,8 @@ def test_session_store() -> None:
     store.hold(s, held("r3"))
     store.checkin(s)
     assert aborted == ["r2", "r1", "r3"] and len(store) == 0
-    assert s.session_id in forgotten  # unbound from its engine replica
+    # Unbound from its engine replica, under the program name its tenant's requests used.
+    assert scoped_program_id("tenant-a", s.session_id) in forgotten
 
     idle, busy = store.create(None), store.create(None)
     store.hold(idle, held("r4"))
