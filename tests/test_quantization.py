@@ -116,15 +116,18 @@ def tiny(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama", seed=3)
 
 
-def check_variants(weights, config, kernels, variants, n_prompts=4, new_tokens=60, text_len=200):
+def check_variants(weights, config, kernels, variants, prompts=None, text=None, new_tokens=50):
     """Each (dtype, quantization) variant agrees with the fp32 model on >= 97% of greedy tokens
-    (teacher-forced) and its perplexity on a fixed text is within 2%."""
+    (teacher-forced) and its perplexity on a fixed text is within 2%. Without prompts and text:
+    random token ids (the tiny model has no real vocabulary)."""
     cpu = torch.device("cpu")
     ref = LlamaModel(config, weights, cpu, torch.float32, Quantization.NONE, kernels)
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(5, 40))] for _ in range(n_prompts)]
+    if prompts is None:
+        prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(5, 40))] for _ in range(4)]
+    if text is None:
+        text = [rng.randrange(100, 40000) for _ in range(200)]
     conts = [greedy_continuation(ref, p, new_tokens) for p in prompts]
-    text = [rng.randrange(100, 40000) for _ in range(text_len)]
     ppl_ref = perplexity(ref, text)
     for dtype, quant in variants:
         # dense_above huge: every row goes through the quantized kernel, not only decode batches.
@@ -181,3 +184,52 @@ def test_cuda_engine_agrees_with_cpu_fp32(tiny, quantization):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     rid = engine.add_request(None, prompts[0], params).request_id
     assert len(run_to_completion(engine)[rid].outputs[0].token_ids) == 8
+
+
+PPL_TEXT = (
+    "The river rises in the hills to the north and runs for nearly two hundred miles before it reaches the sea. "
+    "For most of its length it is slow and wide, and in the summer the water is warm enough for swimming. "
+    "Farmers along its banks grow wheat, barley and potatoes, and the towns that grew up at its crossings still "
+    "hold markets every week. In the spring the snow melts in the hills and the river floods the low fields, "
+    "leaving behind a layer of fine mud that makes the soil rich. The old bridges were built of stone, and some "
+    "of them have stood for six hundred years; the new ones are made of steel and concrete and carry the trains "
+    "that run between the capital and the coast."
+)
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_default_model_variants_agree_with_fp32():
+    ckpt = load_checkpoint(None, dtype=torch.float32)
+    tok = ckpt.tokenizer
+    questions = ["Write a haiku about the sea.", "Who wrote Hamlet?",
+                 "Explain what a compiler does."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                       chat_template=ckpt.chat_template) for q in questions]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    text = tok.encode(PPL_TEXT)
+    # The default model's matrices are Q4_1 in its GGUF (token embeddings Q8_0): int4 holds them
+    # exactly, int8 nearly, so both are held to the same bar as bf16.
+    check_variants(ckpt.weights, ckpt.config, KERNELS, [
+        (torch.bfloat16, Quantization.NONE), (torch.float32, Quantization.INT8), (torch.float32, Quantization.INT4)],
+        prompts=prompts, text=text, new_tokens=70)
+
+
+def test_auto_dtype_follows_cpu_bf16_support(monkeypatch):
+    from segue.executor import model_executor as mx
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(mx, "cpu_has_bf16_matmul", lambda: False)
+    assert mx.resolve_dtype("auto", cpu) == torch.float32
+    monkeypatch.setattr(mx, "cpu_has_bf16_matmul", lambda: True)
+    assert mx.resolve_dtype("auto", cpu) == torch.bfloat16
+    assert mx.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert mx.resolve_dtype("float32", torch.device("cuda")) == torch.float32
+    assert mx.resolve_quantization("auto", cpu) is Quantization.INT8
+    assert mx.resolve_quantization("auto", torch.device("cuda")) is Quantization.NONE
+    assert mx.resolve_quantization("int4", cpu) is Quantization.INT4
+
+
+def test_unknown_quantization_is_a_config_error():
+    from segue.config import ConfigError
+    with pytest.raises(ConfigError, match="quantization"):
+        ModelLoadConfig(quantization="int3").validate()

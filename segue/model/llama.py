@@ -73,7 +73,11 @@ class LlamaModel:
 
         self.embed_tokens = w("model.embed_tokens.weight")
         head = raw("model.embed_tokens.weight") if config.tie_word_embeddings else raw("lm_head.weight")
-        self.lm_head = LinearWeights(head.to(device), None, quantization, dtype, kernels, dense_above)
+        # int4 keeps the LM head in int8, as llama.cpp's Q4 files keep it in 6-8 bits: 4 bits
+        # there cost the default model ~19% of its greedy agreement with fp32 (measured), for a
+        # sixth fewer weight bytes per step.
+        head_quant = Quantization.INT8 if quantization is Quantization.INT4 else quantization
+        self.lm_head = LinearWeights(head.to(device), None, head_quant, dtype, kernels, dense_above)
         self.norm = w("model.norm.weight")
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
