@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup serve test test-fast bench soak clean
+.PHONY: setup serve test test-fast bench gpu-check soak clean
 
 setup: $(VENV)/.installed
 
@@ -33,6 +33,13 @@ soak: setup
 
 bench: setup
 	$(VENV)/bin/segue bench throughput
+
+# On a machine with an NVIDIA GPU (and a CUDA build of torch in the venv): the CUDA-marked tests,
+# then the throughput benchmark on the GPU. Fails rather than silently running on the CPU.
+gpu-check: setup
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: torch sees no CUDA device')"
+	$(PY) -m pytest -q -m cuda
+	$(PY) -m segue.cli bench throughput --device cuda --kv-cache-tokens 32768 --output-json gpu-check.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -75,18 +75,27 @@ class SchedulerConfig:
             raise ConfigError("latency_capacity_tokens must be >= 1")
 
 
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
 @dataclass
 class ModelLoadConfig:
     # Path to a .gguf file or a Hugging Face checkpoint directory; None: the embedded default.
     model: str | None = None
-    # "auto": float32 on CPU (fastest attention there), bfloat16 on CUDA.
+    # "auto": bfloat16 on CUDA and on CPUs with bf16 matrix instructions (AVX512-BF16, AMX),
+    # else float32 (bf16 GEMMs are emulated there and slower).
     dtype: str = "auto"
     device: str = "auto"
     served_model_name: str | None = None
+    # Weight-only quantization of the linear layers: "auto" (int8 on CPU, none on CUDA), "none",
+    # "int8" (per output channel) or "int4" (groups of 32).
+    quantization: str = "auto"
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"unknown dtype {self.dtype!r} (auto, float32, bfloat16, float16)")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"unknown quantization {self.quantization!r} ({', '.join(QUANTIZATIONS)})")
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+from segue.config import QUANTIZATIONS, CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -14,6 +14,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
+                   help="weight-only quantization of the linear layers (auto: int8 on CPU, none on CUDA)")
     g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     g.add_argument("--kv-cache-tokens", type=int, default=CacheConfig.kv_cache_tokens,
                    help="device KV pool size in tokens")
@@ -39,7 +41,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelLoadConfig(model=args.model, dtype=args.dtype, device=args.device,
-                              served_model_name=args.served_model_name),
+                              served_model_name=args.served_model_name, quantization=args.quantization),
         cache=CacheConfig(block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
                           kv_cache_bytes=args.kv_cache_bytes, swap_space_tokens=args.swap_space_tokens,
                           enable_prefix_caching=not args.no_prefix_caching),

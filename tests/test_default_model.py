@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", device="cpu")
+    return LLM(dtype="float32", device="cpu", quantization="none")
 
 
 def test_france_question_answers_paris(llm):

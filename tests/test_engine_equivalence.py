@@ -27,13 +27,15 @@ def tiny(request, tmp_path_factory):
 def make_engine(path, *, block_size=16, kv_tokens=4096, budget=256, max_seqs=32, caching=True,
                 torch_attention=False) -> LLMEngine:
     config = EngineConfig(
-        model=ModelLoadConfig(model=str(path), dtype="float32", device="cpu"),
+        model=ModelLoadConfig(model=str(path), dtype="float32", device="cpu", quantization="none"),
         cache=CacheConfig(block_size=block_size, kv_cache_tokens=kv_tokens, enable_prefix_caching=caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
     )
     engine = LLMEngine(config)
     if torch_attention:
+        # The pure torch forward (what CUDA runs): no native attention, no fused elementwise ops.
         engine.executor.decode_kernel = None
+        engine.executor.model.kernels = None
     return engine
 
 

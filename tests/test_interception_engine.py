@@ -26,7 +26,7 @@ def tiny(tmp_path_factory):
 
 def make_engine(path, policy: str, kv_tokens: int = 2048) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=ModelLoadConfig(model=str(path), dtype="float32", device="cpu"),
+        model=ModelLoadConfig(model=str(path), dtype="float32", device="cpu", quantization="none"),
         cache=CacheConfig(block_size=4, kv_cache_tokens=kv_tokens, swap_space_tokens=4096),
         scheduler=SchedulerConfig(max_num_batched_tokens=48, interception_policy=policy)))
 

@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         total = sum(v[3] if cumulative else v[2] for k, v in stats.items() if match(k))
         return total * 1000 / args.steps
 
-    linear = ms(lambda k: k[2].endswith("_nn.linear>") or k[2] == "<built-in method torch._C._nn.linear>")
+    # Every matmul with weights goes through LinearWeights.__call__ (fp32 GEMM or quantized kernel).
+    linear = ms(lambda k: k[2] == "__call__" and k[0].endswith("quant.py"), cumulative=True)
     lm_head = ms(lambda k: k[2] == "compute_logits", cumulative=True)
     attention = ms(lambda k: "paged_decode_attention" in k[2] or "scaled_dot_product_attention" in k[2]
                    or "index_select" in k[2])
@@ -74,8 +75,11 @@ def run(args: argparse.Namespace) -> int:
                                     ("detokenizer" in k[0] or "engine.py" in k[0]), cumulative=True),
     }
     rows["other Python"] = max(0.0, wall - sum(rows.values()))
+    ex = engine.executor
     print(f"decode step at batch {args.num_requests}, context ~{args.prompt_len}: {wall:.1f} ms wall "
-          f"(cProfile on), {args.num_requests / wall * 1000:.0f} tok/s; torch threads {torch.get_num_threads()}")
+          f"(cProfile on), {args.num_requests / wall * 1000:.0f} tok/s; torch threads {torch.get_num_threads()}; "
+          f"{str(ex.dtype).removeprefix('torch.')}, quantization {ex.quantization.value}, "
+          f"fused CPU ops {'on' if ex.model.kernels is not None else 'off'}")
     print("| part | ms/step | share |\n|---|---:|---:|")
     for name, value in rows.items():
         print(f"| {name} | {value:.1f} | {value / wall:.0%} |")

@@ -190,7 +190,7 @@ def render_markdown(res: dict[str, Any]) -> str:
     ttft, tpot = s["ttft"] or {}, s["tpot"] or {}
     rows = [
         ("model", env["model"]),
-        ("device / dtype", f"{env['device']} / {env['dtype']}"),
+        ("device / dtype / weights", f"{env['device']} / {env['dtype']} / {env.get('quantization', 'none')}"),
         ("torch threads", str(env["torch_threads"])),
         ("workload", f"{w['num_requests']} requests × {w['prompt_len']} prompt + {w['output_len']} output "
                      f"tokens (seed {w['seed']})"),
@@ -246,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         "environment": {
             "model": engine.model_name, "device": describe_device(device),
             "dtype": str(engine.executor.dtype).removeprefix("torch."),
+            "quantization": engine.executor.quantization.value,
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(),
         },

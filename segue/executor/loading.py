@@ -22,15 +22,17 @@ class LoadedModel(NamedTuple):
 def load_model(config: EngineConfig) -> LoadedModel:
     import torch
 
-    from segue.executor.model_executor import ModelExecutor, resolve_device, resolve_dtype
+    from segue.executor.model_executor import ModelExecutor, resolve_device, resolve_dtype, resolve_quantization
     from segue.model.loader import load_checkpoint
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
-    ckpt = load_checkpoint(config.model.model, dtype=dtype)
-    executor = ModelExecutor(ckpt, config.cache, device, dtype)
+    quant = resolve_quantization(config.model.quantization, device)
+    # Quantized weights are made from full-precision ones, not from a bf16-rounded copy.
+    ckpt = load_checkpoint(config.model.model, dtype=dtype if quant.value == "none" else torch.float32)
+    executor = ModelExecutor(ckpt, config.cache, device, dtype, quant)
     return LoadedModel(executor, ckpt.tokenizer, ckpt.config, ckpt.name, ckpt.chat_template)
 
 

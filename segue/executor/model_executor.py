@@ -14,10 +14,15 @@ from segue.model.attention import AttentionMetadata, PrefillChunk
 from segue.model.kv_cache import KVCache
 from segue.model.llama import LlamaModel
 from segue.model.loader import LoadedCheckpoint
+from segue.model.quant import Quantization
 from segue.model.sampler import sample
 from segue.sched.output import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# Quantized layers run batches of more rows than this through their kept full-precision weight:
+# the GEMM turns compute-bound and the fp32 kernel wins (measured, BENCHMARKS.md).
+DENSE_ABOVE_ROWS = 16
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,20 +33,49 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX), where bf16 GEMMs beat
+    fp32; without them bf16 GEMMs are emulated and run ~3-4x slower than fp32 (measured)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        flags = []
+    if flags:
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    # No /proc (macOS, Windows): torch's own dispatch level is the best available hint.
+    return torch.backends.cpu.get_cpu_capability() == "AVX512_BF16"
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        # On CPUs without bf16 matmul units fp32 GEMMs run ~4x faster than bf16 (measured here).
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
     return _DTYPES[name]
+
+
+def resolve_quantization(name: str, device: torch.device) -> Quantization:
+    """"auto": int8 weights on CPU (decode streams every weight each step, and the int8 kernel
+    reads a quarter of the fp32 bytes), none on CUDA (no fast kernel wired there)."""
+    if name == "auto":
+        return Quantization.INT8 if device.type == "cpu" else Quantization.NONE
+    return Quantization(name)
 
 
 class ModelExecutor(Executor):
     def __init__(self, ckpt: LoadedCheckpoint, cache: CacheConfig, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, quantization: Quantization = Quantization.NONE) -> None:
         self.device = device
         self.dtype = dtype
         self.config = ckpt.config
-        self.model = LlamaModel(ckpt.config, ckpt.weights, device, dtype)
+        self.quantization = quantization
+        kernels = None
+        if device.type == "cpu":
+            from segue.model.cpu_kernels import load_cpu_kernels
+            kernels = load_cpu_kernels()
+        self.model = LlamaModel(ckpt.config, ckpt.weights, device, dtype, quantization, kernels,
+                                dense_above=DENSE_ABOVE_ROWS)
         cfg = ckpt.config
         self.block_size = cache.block_size
         block_bytes = KVCache.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
@@ -59,10 +93,7 @@ class ModelExecutor(Executor):
                                 self.num_device_blocks, self.num_host_blocks, device, dtype)
         # Requests whose next sampled token should carry its hidden state (want_hidden_states).
         self._hidden_for: frozenset[str] = frozenset()
-        self.decode_kernel = None
-        if device.type == "cpu" and dtype == torch.float32:
-            from segue.model.cpu_kernels import load_cpu_kernels
-            self.decode_kernel = load_cpu_kernels()
+        self.decode_kernel = kernels
         logger.info("KV cache: %d device blocks (%d tokens, %.0f MiB), %d host blocks",
                     self.num_device_blocks, self.num_device_blocks * cache.block_size,
                     self.num_device_blocks * block_bytes / 2**20, self.num_host_blocks)

@@ -1,0 +1,69 @@
+"""Teacher-forced comparisons of a model variant (dtype, quantization) with its fp32 reference:
+greedy agreement at every position of one fixed continuation, and perplexity on a fixed text.
+Teacher forcing keeps one early disagreement from cascading into a different continuation."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from segue.kv.manager import cdiv
+from segue.model.attention import AttentionMetadata, PrefillChunk
+from segue.model.kv_cache import KVCache
+from segue.model.llama import LlamaModel
+
+
+def full_logits(model: LlamaModel, ids: list[int], block_size: int = 16, last_only: bool = False) -> torch.Tensor:
+    """fp32 logits [T, V] for every position of `ids` (or [1, V] for the last), one causal
+    prefill from position 0."""
+    cfg, n = model.config, len(ids)
+    blocks = cdiv(n, block_size)
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, blocks, 0,
+                    model.device, model.dtype)
+    dev = model.device
+    meta = AttentionMetadata(slot_mapping=torch.arange(n, device=dev))
+    meta.prefills = [PrefillChunk(0, n, 0, torch.arange(blocks, device=dev), None)]
+    hidden = model.forward(torch.tensor(ids, device=dev), torch.arange(n, device=dev), meta, cache)
+    return model.compute_logits(hidden[-1:] if last_only else hidden).float().cpu()
+
+
+def greedy_continuation(model: LlamaModel, prompt: list[int], n: int, block_size: int = 16) -> list[int]:
+    """The model's greedy continuation: one prefill, then one decode step per token over the cache."""
+    cfg, dev = model.config, model.device
+    blocks = cdiv(len(prompt) + n, block_size)
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, blocks, 0, dev, model.dtype)
+    table = torch.arange(blocks, device=dev)
+    p = len(prompt)
+    meta = AttentionMetadata(slot_mapping=torch.arange(p, device=dev))
+    meta.prefills = [PrefillChunk(0, p, 0, table[:cdiv(p, block_size)], None)]
+    hidden = model.forward(torch.tensor(prompt, device=dev), torch.arange(p, device=dev), meta, cache)
+    out = [int(model.compute_logits(hidden[-1:]).argmax())]
+    for pos in range(p, p + n - 1):
+        used = cdiv(pos + 1, block_size)
+        meta = AttentionMetadata(slot_mapping=torch.tensor([pos], device=dev), num_decodes=1,
+                                 decode_blocks=table[:used], decode_context_lens=torch.tensor([pos + 1], device=dev),
+                                 decode_kernel=model.kernels)
+        if model.kernels is None:
+            meta.decode_mask = (torch.arange(used * block_size, device=dev) <= pos).view(1, 1, 1, -1)
+        hidden = model.forward(torch.tensor([out[-1]], device=dev), torch.tensor([pos], device=dev), meta, cache)
+        out.append(int(model.compute_logits(hidden).argmax()))
+    return out
+
+
+def agreement(ref: LlamaModel, other: LlamaModel, prompts: list[list[int]], continuations: list[list[int]]) -> float:
+    """Share of continuation positions where both models pick the same greedy token."""
+    same = total = 0
+    for prompt, cont in zip(prompts, continuations):
+        ids = prompt + cont
+        start = len(prompt) - 1
+        a = full_logits(ref, ids)[start:-1].argmax(-1)
+        b = full_logits(other, ids)[start:-1].argmax(-1)
+        same += int((a == b).sum())
+        total += len(cont)
+    return same / total
+
+
+def perplexity(model: LlamaModel, ids: list[int]) -> float:
+    logp = torch.log_softmax(full_logits(model, ids)[:-1], dim=-1)
+    nll = -logp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean()
+    return math.exp(float(nll))
