@@ -94,6 +94,9 @@ async def chat_completions(request: Request) -> Response:
     ctx.check_model(body.model)
     body.check_supported()
     setup = resolve_tools(body.tools, body.tool_choice, ctx.tools)
+    if setup.constraint is not None and body.output_spec() is not None:
+        raise APIError(400, "response_format (or guided_*) cannot be combined with tools unless tool_choice is "
+                            '"none": the output is either a tool call or the formatted answer', param="response_format")
     if body.num_choices > 1 and setup.client_names:
         raise APIError(400, "n > 1 cannot be combined with client-side tools: a tool call pauses its choice "
                             "in a session, which continues one conversation", param="n")
