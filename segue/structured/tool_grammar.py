@@ -81,10 +81,19 @@ def _forced_call_rules(tools: list[dict[str, Any]]) -> str:
     return _call_rules(tools).replace(f"call: {_lit(START)} ", "call_rest: ", 1)
 
 
+_TEXT = "TEXT: /(.|\\n)*/ & ~/(.|\\n)*" + START + "(.|\\n)*/\n"
+
+
+def no_call_grammar() -> StructuredSpec:
+    """Free text without the start marker: for a conversation about tools in which no call may be
+    made (tool_choice "none"). Small models imitate the calls in their history; unconstrained,
+    the answer would be call markup returned as text."""
+    return StructuredSpec.lark("start: TEXT\n" + _TEXT)
+
+
 def auto_grammar(tools: list[dict[str, Any]]) -> StructuredSpec:
-    text = "/(.|\\n)*/ & ~/(.|\\n)*" + START + "(.|\\n)*/"
     lark = (f"start: TEXT | trigger call_rest\n"
-            f"TEXT: {text}\n"
+            f"{_TEXT}"
             f"trigger[lazy]: /(.|\\n)*/ {_lit(START)}\n" + _forced_call_rules(tools))
     return StructuredSpec.lark(lark)
 
