@@ -1,7 +1,8 @@
 """What a request's output must match: a plain, hashable description (no grammar library here).
 
-The spec is the cache key of compiled grammars, so equal constraints written differently (JSON key
-order) are normalized to one canonical text when built.
+The spec is the cache key of compiled grammars. JSON schemas keep their key order (it is the order
+the properties are generated in, as in OpenAI's structured outputs), so only schemas written the
+same way share a compiled grammar.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class StructuredSpec:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool) -> StructuredSpec:
-        return cls(StructuredKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True, ensure_ascii=False))
+        return cls(StructuredKind.JSON_SCHEMA, json.dumps(schema, ensure_ascii=False))
 
     @classmethod
     def json_object(cls) -> StructuredSpec:
