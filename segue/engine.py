@@ -61,6 +61,7 @@ class LLMEngine:
         self.trace = TraceReplayer()
         self.clock = time.monotonic
         self._states: dict[str, RequestState] = {}
+        self._grammars: Any = None
         self.num_steps = 0
         self.last_step_idle = True
 
@@ -72,6 +73,17 @@ class LLMEngine:
         return self.tokenizer.apply_chat_template(
             messages, tools=tools, chat_template=self.chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt)
+
+    @property
+    def grammars(self) -> Any:
+        """The constrained-decoding backend (segue.structured.backend), created on first use so
+        engines that never see a constrained request never import the grammar library."""
+        if self._grammars is None:
+            from segue.structured.backend import GrammarBackend
+            eos = self.model_config.eos_token_ids
+            self._grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
+                                            eos[0] if eos else self.tokenizer.eos_token_id)
+        return self._grammars
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -101,6 +113,8 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, now, self.model_config.eos_token_ids,
                           priority=priority, program_id=program_id, cache_salt=cache_salt,
                           latency_sensitive=latency_sensitive)
+        if params.structured is not None:
+            request.grammar = self.grammars.matcher(params.structured, start=0)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
         return RequestState(request, text, detok, RequestMetrics(arrival_time=now),
                             [] if params.logprobs is not None else None, tool_parser=tool_parser,
@@ -155,6 +169,11 @@ class LLMEngine:
         req = state.request
         if req.num_tokens + len(tokens) >= self.max_model_len:
             raise InvalidRequestError(f"resuming {request_id!r} would exceed the context window")
+        # New params bring their own constraint; otherwise the constraint's after-resume one applies.
+        previous = req.grammar.spec if req.grammar is not None else None
+        spec = params.structured if params is not None else (previous.after_resume if previous else None)
+        if spec is not None:
+            self.grammars.compile(spec)
         if params is not None:
             params.validate()
             req.sampling_params = SamplingParams(**{**params.__dict__,
@@ -168,6 +187,9 @@ class LLMEngine:
         self.predictors.on_resume(req, len(tokens), self.clock())
         self._apply_oracle(req)
         self.scheduler.resume_request(req, list(tokens), self.clock())
+        # Constrains only what is generated from here on (compiled and checked before the pause
+        # ends: a cache hit).
+        req.grammar = self.grammars.matcher(spec, start=len(req.output_token_ids)) if spec is not None else None
         state.detokenizer = IncrementalDetokenizer(self.tokenizer, req.all_token_ids, req.sampling_params)
 
     def next_timer(self) -> float | None:

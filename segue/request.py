@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from segue.sampling_params import SamplingParams
 
@@ -105,6 +106,9 @@ class Request:
     # The handling (preserve / swap / discard) the LAMPS ordering policy predicted for the next
     # interception; the `lamps` interception policy applies it. None: not predicted.
     predicted_disposition: Disposition | None = None
+    # Constrained decoding state (segue.structured.RequestGrammar), set by the engine; opaque here:
+    # the scheduler and the simulator never look at it.
+    grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from segue.structured.spec import StructuredSpec
+
 
 class InvalidRequestError(ValueError):
     """Raised for client mistakes; the server maps it to a 400 response whose `param` names the
@@ -36,6 +38,8 @@ class SamplingParams:
     # end-of-turn token; the next turn's text closes the message). The context window still finishes
     # the request: no next turn would fit.
     pause_on_length: bool = False
+    # Constrained decoding: the output must match this grammar (JSON schema, tool-call format, ...).
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +76,8 @@ class SamplingParams:
             bad("pause_on_stop", f"pause_on_stop must be a boolean, got {self.pause_on_stop!r}")
         if not isinstance(self.pause_on_length, bool):
             bad("pause_on_length", f"pause_on_length must be a boolean, got {self.pause_on_length!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            bad("structured", f"structured must be a StructuredSpec, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:

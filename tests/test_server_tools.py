@@ -38,7 +38,7 @@ def scripted(setup: tuple[AsyncLLMEngine, ScriptedModel]) -> ScriptedModel:
     model.script("[fail]", "Let me try. " + call_text("fail", {}), "Recovered.")
     model.script("[slow]", call_text("wait", {"seconds": 30}), "Done waiting.")
     model.script("[loop]", *[call_text("calculator", {"expression": "1"})] * 6)
-    model.script("[named]", '{"expression": "6*7"}}</tool_call>', "42.")
+    model.script("[named]", '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>', "42.")
     return model
 
 
@@ -112,7 +112,7 @@ def test_tool_rounds_are_capped(engine: AsyncLLMEngine, scripted: ScriptedModel)
     wait_idle(engine)
 
 
-def test_tool_choice_steers_by_prefill(client: openai.OpenAI, engine: AsyncLLMEngine,
+def test_named_tool_choice_is_constrained(client: openai.OpenAI, engine: AsyncLLMEngine,
                                        scripted: ScriptedModel) -> None:
     r = ask(client, "[named] six times seven", tool_choice={"type": "function", "function": {"name": "calculator"}})
     assert r.choices[0].message.content == "42."

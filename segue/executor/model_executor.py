@@ -17,6 +17,7 @@ from segue.model.loader import LoadedCheckpoint
 from segue.model.quant import Quantization
 from segue.model.sampler import sample
 from segue.sched.output import ScheduledSeq, SchedulerOutput
+from segue.structured.bitmask import fill_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -174,8 +175,12 @@ class ModelExecutor(Executor):
             return {}
         last = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(last)
+        # Constrained requests (segue/structured): only rows that sample advance their grammar.
+        grammars = [s.request.grammar for s in sampled_seqs]
+        allowed = fill_bitmask(grammars, [s.request.output_token_ids for s in sampled_seqs],
+                               logits.shape[-1]) if any(grammars) else None
         results = sample(logits, [s.request.sampling_params for s in sampled_seqs],
-                         [s.request.num_output_tokens for s in sampled_seqs])
+                         [s.request.num_output_tokens for s in sampled_seqs], allowed)
         tokens = {s.request.request_id: SampledToken(r.token_id, r.logprob, r.top)
                   for s, r in zip(sampled_seqs, results)}
         want = [j for j, s in enumerate(sampled_seqs) if s.request.request_id in hidden_for] if hidden_for else []

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from segue.sampling_params import SamplingParams
+from segue.structured.bitmask import apply_bitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -114,11 +115,13 @@ def _sample_rows(
     return out
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[SampleResult]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+           allowed: tuple[torch.Tensor, list[int]] | None = None) -> list[SampleResult]:
     """Pick the next token for every row of `logits` ([B, V], any float dtype, CPU or CUDA).
 
     positions[i] is how many tokens request i has generated so far; it only feeds the seed
-    of seeded rows.
+    of seeded rows. `allowed` (segue.structured.bitmask.fill_bitmask) restricts the listed rows
+    to their grammar's tokens; reported logprobs stay the model's own.
     """
     batch = logits.shape[0]
     if len(params) != batch or len(positions) != batch:
@@ -128,19 +131,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
 
     want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
     greedy = [i for i, p in enumerate(params) if p.greedy]
+    scores = logits if allowed is None else apply_bitmask(logits, *allowed)
 
     # Fast path for the common all-greedy batch: one kernel, one device->host copy.
     if len(greedy) == batch and not want_lp:
-        return [SampleResult(t, None, None) for t in logits.argmax(dim=-1).tolist()]
+        return [SampleResult(t, None, None) for t in scores.argmax(dim=-1).tolist()]
 
     device = logits.device
     chosen = torch.empty(batch, dtype=torch.long, device=device)
     if greedy:
         gidx = torch.tensor(greedy, device=device)
-        chosen.index_copy_(0, gidx, logits.index_select(0, gidx).argmax(dim=-1))
+        chosen.index_copy_(0, gidx, scores.index_select(0, gidx).argmax(dim=-1))
     sampled = [i for i in range(batch) if not params[i].greedy]
     if sampled:
-        chosen.index_copy_(0, torch.tensor(sampled, device=device), _sample_rows(logits, params, positions, sampled))
+        chosen.index_copy_(0, torch.tensor(sampled, device=device), _sample_rows(scores, params, positions, sampled))
 
     chosen_lp: list[float] = []
     top_ids: list[list[int]] = []

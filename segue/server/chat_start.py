@@ -71,7 +71,8 @@ async def continue_held(ctx: ServingContext, request: Request, body: ChatComplet
     if not text.startswith(held.end_text):
         return None
     suffix = await ctx.tokenize(text[len(held.end_text):] + setup.forced_prefix)
-    params = body.to_sampling_params(len(held.token_ids) + len(suffix), ctx.max_model_len)
+    params = body.to_sampling_params(len(held.token_ids) + len(suffix), ctx.max_model_len, ctx.generation_defaults)
+    params.structured = setup.constraint or params.structured
     params.pause_on_stop = params.pause_on_length = True
     if held.parser is not None:
         held.parser.arm(setup.forced_prefix)
@@ -96,7 +97,8 @@ async def start_fresh(ctx: ServingContext, request: Request, body: ChatCompletio
         text = ctx.renderer.render(messages, setup.tools) + setup.forced_prefix
         return ctx.engine.engine.encode(text)
     prompt_ids = await ctx.in_thread(render)
-    params = body.to_sampling_params(len(prompt_ids), ctx.max_model_len)
+    params = body.to_sampling_params(len(prompt_ids), ctx.max_model_len, ctx.generation_defaults)
+    params.structured = setup.constraint or params.structured
     params.seed = choice_seed(params.seed, choice)
     # Only a session can continue a paused turn; elsewhere nobody would ever resume it.
     params.pause_on_stop = params.pause_on_length = session is not None or bool(body.open_session)

@@ -4,19 +4,25 @@ Tools are the client's (`tools`, run by the client) plus the operator's (the ser
 They are validated as the OpenAI API defines them, with real JSON-schema checks, because a schema
 error found only when the model calls the tool would surface as a confusing tool failure.
 
-tool_choice cannot be enforced by constrained decoding (the engine has none), so "required" and a
-named function are steered by prefilling the assistant turn with the start of a call; the model
-then only has to complete it. "none" hides every tool and never intercepts.
+tool_choice is enforced by constrained decoding (segue/structured/tool_grammar.py): "required" and
+a named function constrain the output to one call in the format ToolCallParser reads, with a name
+among the tools (the named one) and arguments generated under that tool's JSON schema; "auto"
+allows free text or such a call, so it never yields a malformed one. "none" hides every tool and
+never intercepts. Calls are checked against their schema once more when parsed (check_arguments):
+what reaches a client or a server-side tool is valid, or the call carries an error.
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import jsonschema
+
 from segue.sampling_params import InvalidRequestError
 from segue.server.errors import APIError
+from segue.structured import StructuredSpec
+from segue.structured.tool_grammar import auto_grammar, forced_grammar
 from segue.tools.parser import ToolCallParser
 from segue.tools.registry import ToolRegistry
 from segue.tools.spec import ToolCall, ToolSpecError, check_parameters_schema
@@ -35,17 +41,39 @@ class ToolSetup:
     tools: list[dict[str, Any]] = field(default_factory=list)
     client_names: frozenset[str] = frozenset()
     server_names: frozenset[str] = frozenset()
-    # Text the assistant turn starts with to steer tool_choice ("" for auto / none).
+    # Text the assistant turn starts with (prefilled before the model writes). Constrained decoding
+    # made prefill steering unnecessary, so it is "" today; the plumbing stays for templates that
+    # need a fixed turn opening.
     forced_prefix: str = ""
+    # The grammar the output follows (tool_choice auto / required / named); None: unconstrained.
+    constraint: StructuredSpec | None = None
 
     @property
     def enabled(self) -> bool:
         return bool(self.tools)
 
+    def check_arguments(self, call: ToolCall) -> ToolCall:
+        """The call, with `error` set when its arguments do not validate against its tool's schema
+        (constrained decoding makes that rare: a call cut off, a schema keyword the grammar library
+        cannot enforce)."""
+        if call.error is not None:
+            return call
+        tool = next((t["function"] for t in self.tools if t["function"]["name"] == call.name), None)
+        if tool is None:
+            return call
+        schema = tool.get("parameters") or {"type": "object"}
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        problem = jsonschema.exceptions.best_match(cls(schema).iter_errors(call.arguments))
+        if problem is not None:
+            call.error = f"arguments do not match the schema of {call.name!r}: {problem.message}"
+        return call
+
     def is_client_call(self, call: ToolCall) -> bool:
         # Calls to unknown names (or unparsable ones) stay on the server: the runner answers them
         # with an error the model can read, instead of handing the client a function it never defined.
-        return call.name in self.client_names
+        # A client call whose arguments fail their schema stays here too: the runner answers it
+        # with the error, so no client ever receives arguments its schema rejects.
+        return call.name in self.client_names and call.error is None
 
 
 def validate_client_tools(tools: list[Any] | None) -> list[dict[str, Any]]:
@@ -102,14 +130,17 @@ def resolve_tools(tools: list[Any] | None, tool_choice: str | dict[str, Any] | N
                                       code="invalid_value")
         if name not in client_names | server_names:
             raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-        setup.forced_prefix = '<tool_call>{"name": ' + json.dumps(name) + ', "arguments": '
+        named = [t for t in setup.tools if t["function"]["name"] == name]
+        setup.constraint = forced_grammar(named, setup.tools)
     elif choice == "required":
         if not setup.enabled:
             raise APIError(400, 'tool_choice "required" needs at least one tool', param="tool_choice")
-        setup.forced_prefix = "<tool_call>"
+        setup.constraint = forced_grammar(setup.tools)
     elif choice != "auto":
         raise InvalidRequestError(f'tool_choice must be "none", "auto", "required" or a function, got {choice!r}',
                                   param="tool_choice", code="invalid_value")
+    elif setup.enabled:
+        setup.constraint = auto_grammar(setup.tools)
     return setup
 
 

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from segue.program.registry import scoped_program_id
 from segue.sampling_params import InvalidRequestError, SamplingParams
 from segue.server.errors import APIError
+from segue.server.structured_formats import output_spec
+from segue.structured import StructuredSpec
 
 # Completion budget when the request names none: the rest of the context, capped so a client
 # that forgets max_tokens on a long-context model does not tie up a sequence for minutes.
@@ -73,6 +75,12 @@ class _SamplingRequest(_Request):
     # Extensions (vLLM spelling), sent by the openai client through extra_body.
     top_k: int | None = None
     ignore_eos: bool | None = None
+    # Constrained output (structured_formats.py): OpenAI's response_format, and vLLM's guided
+    # decoding extras.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     # Segue extensions (extra_body): scheduling hints passed to the engine.
     priority: int | None = None
     program_id: str | None = Field(default=None, max_length=256)
@@ -102,11 +110,18 @@ class _SamplingRequest(_Request):
             hints["program_id"] = scoped_program_id(tenant, self.program_id)
         return hints
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                    "seed": self.seed}
+    def output_spec(self) -> StructuredSpec | None:
+        return output_spec(self.response_format, self.guided_json, self.guided_regex, self.guided_choice)
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None,
+                         defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: the model's recommended sampling settings (generation_defaults.py), used for
+        the ones the client leaves out, as vLLM does with generation_config.json."""
+        optional = {**(defaults or {})}
+        given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+        optional.update({k: v for k, v in given.items() if v is not None})
         return SamplingParams(max_tokens=max_tokens, stop=self.stop or [], ignore_eos=bool(self.ignore_eos),
-                              logprobs=logprobs, **{k: v for k, v in optional.items() if v is not None})
+                              logprobs=logprobs, structured=self.output_spec(), **optional)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -134,9 +149,10 @@ class CompletionRequest(_SamplingRequest):
             return self.prompt[0]
         return self.prompt  # type: ignore[return-value]
 
-    def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+    def to_sampling_params(self, prompt_len: int, max_model_len: int,
+                           defaults: dict[str, Any] | None = None) -> SamplingParams:
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens(prompt_len, max_model_len)
-        return self._sampling_params(max_tokens, self.logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, defaults)
 
 
 class ContentPart(_Request):
@@ -183,7 +199,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     # Segue extensions (extra_body).
     session_id: str | None = Field(default=None, max_length=128)
     # Keep the conversation in a session even when this turn ends normally (a human turn).
@@ -196,9 +211,6 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.num_choices > 1 and (self.session_id is not None or self.open_session):
             raise APIError(400, "n > 1 cannot be combined with sessions (session_id, open_session): a session "
                                 "continues one conversation", param="n")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("response_format other than text is not supported yet", param="response_format",
-                                      code="unsupported_value")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs",
                                       code="invalid_value")
@@ -207,13 +219,14 @@ class ChatCompletionRequest(_SamplingRequest):
             raise InvalidRequestError(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs}",
                                       param="top_logprobs", code="invalid_value")
 
-    def to_sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+    def to_sampling_params(self, prompt_len: int, max_model_len: int,
+                           defaults: dict[str, Any] | None = None) -> SamplingParams:
         # max_completion_tokens is OpenAI's replacement for the deprecated max_tokens.
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is None:
             max_tokens = default_max_tokens(prompt_len, max_model_len)
         try:
-            return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+            return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults)
         except InvalidRequestError as e:
             if e.param == "max_tokens" and self.max_completion_tokens is not None:
                 raise InvalidRequestError(str(e).replace("max_tokens", "max_completion_tokens", 1),

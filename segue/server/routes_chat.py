@@ -31,6 +31,7 @@ from segue.server.sessions import Session
 from segue.server.streaming import SSEResponse, gather_all, merge_streams, sse, unless_disconnected
 from segue.server.templating import normalize
 from segue.server.tool_loop import ChatTurn, Delta, TurnEnd
+from segue.structured.tool_grammar import no_call_grammar
 from segue.tools.spec import ToolCall
 
 router = APIRouter()
@@ -86,6 +87,11 @@ class TurnBookkeeping:
                                              max(t.tool_seconds for t in self.turns))
 
 
+def _talks_about_tools(body: ChatCompletionRequest) -> bool:
+    """Tools offered but none may be called, or calls in the history: the answer must be text."""
+    return bool(body.tools) or any(m.role == "tool" or m.tool_calls for m in body.messages)
+
+
 @router.post(ENDPOINT, response_model=None, openapi_extra=json_body(ChatCompletionRequest))
 async def chat_completions(request: Request) -> Response:
     ctx = serving(request)
@@ -94,6 +100,11 @@ async def chat_completions(request: Request) -> Response:
     ctx.check_model(body.model)
     body.check_supported()
     setup = resolve_tools(body.tools, body.tool_choice, ctx.tools)
+    if setup.constraint is not None and body.output_spec() is not None:
+        raise APIError(400, "response_format (or guided_*) cannot be combined with tools unless tool_choice is "
+                            '"none": the output is either a tool call or the formatted answer', param="response_format")
+    if setup.constraint is None and body.output_spec() is None and _talks_about_tools(body):
+        setup.constraint = no_call_grammar()
     if body.num_choices > 1 and setup.client_names:
         raise APIError(400, "n > 1 cannot be combined with client-side tools: a tool call pauses its choice "
                             "in a session, which continues one conversation", param="n")

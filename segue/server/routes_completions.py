@@ -77,7 +77,7 @@ async def completions(request: Request) -> Response:
         hints = {**body.engine_hints(tenant), **ctx.generate_hints(cache_salt(tenant))}
 
         async def start(index: int) -> Prepended | None:
-            params = body.to_sampling_params(len(prompt_ids), ctx.max_model_len)
+            params = body.to_sampling_params(len(prompt_ids), ctx.max_model_len, ctx.generation_defaults)
             params.seed = choice_seed(params.seed, index)
             gen = ctx.engine.generate(prompt_ids, params, request_id=f"{rid}-{index}" if index else rid, **hints)
             first = await unless_disconnected(request, deadline.next(gen))

@@ -182,7 +182,7 @@ class ChatTurn:
         return end
 
     async def _on_pause(self, out: RequestOutput, c: CompletionOutput) -> TurnEnd | None:
-        calls = list(c.tool_calls or [])
+        calls = [self.setup.check_arguments(call) for call in c.tool_calls or []]
         client_calls = [call for call in calls if self.setup.is_client_call(call)]
         server_calls = [call for call in calls if not self.setup.is_client_call(call)]
         if server_calls and not client_calls and self.rounds >= self.ctx.config.max_tool_rounds:

@@ -1,0 +1,76 @@
+"""Request fields that constrain the output, translated to a StructuredSpec.
+
+- `response_format` (OpenAI): {"type": "text"}, {"type": "json_object"}, or
+  {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}. OpenAI
+  defines it for chat only; Segue accepts it on /v1/completions too, as vLLM does.
+- vLLM's guided-decoding extras (extra_body), on both endpoints: `guided_json` (a schema, or its
+  JSON text), `guided_regex`, `guided_choice` (a list of strings).
+
+The output is constrained whether or not `strict` is set (a non-strict schema is still the best
+description of what the client wants). Schema features the grammar library cannot enforce are a
+400 when the grammar compiles (segue/structured/backend.py), never silently ignored.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from segue.server.errors import APIError
+from segue.structured import StructuredSpec
+
+
+def _bad(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_response_format")
+
+
+def response_format_spec(fmt: dict[str, Any] | None) -> StructuredSpec | None:
+    if fmt is None:
+        return None
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredSpec.json_object()
+    if kind == "json_schema":
+        body = fmt.get("json_schema")
+        if not isinstance(body, dict):
+            raise _bad('response_format of type "json_schema" needs a "json_schema" object', "response_format")
+        schema = body.get("schema", {})
+        if not isinstance(schema, (dict, bool)):
+            raise _bad("response_format.json_schema.schema must be a JSON schema object",
+                       "response_format.json_schema.schema")
+        return StructuredSpec.json_schema(schema)
+    raise _bad(f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}',
+               "response_format.type")
+
+
+def guided_spec(guided_json: Any, guided_regex: str | None, guided_choice: list[str] | None) -> StructuredSpec | None:
+    given = [name for name, v in (("guided_json", guided_json), ("guided_regex", guided_regex),
+                                  ("guided_choice", guided_choice)) if v is not None]
+    if len(given) > 1:
+        raise _bad(f"give at most one of guided_json, guided_regex and guided_choice, got {given}", given[1])
+    if guided_json is not None:
+        if isinstance(guided_json, str):
+            try:
+                guided_json = json.loads(guided_json)
+            except json.JSONDecodeError as e:
+                raise _bad(f"guided_json is not valid JSON: {e}", "guided_json") from None
+        if not isinstance(guided_json, (dict, bool)):
+            raise _bad("guided_json must be a JSON schema object", "guided_json")
+        return StructuredSpec.json_schema(guided_json)
+    if guided_regex is not None:
+        return StructuredSpec.regex(guided_regex)
+    if guided_choice is not None:
+        if not guided_choice or any(not isinstance(c, str) or not c for c in guided_choice):
+            raise _bad("guided_choice must be a non-empty list of non-empty strings", "guided_choice")
+        return StructuredSpec.choice(guided_choice)
+    return None
+
+
+def output_spec(response_format: dict[str, Any] | None, guided_json: Any, guided_regex: str | None,
+                guided_choice: list[str] | None) -> StructuredSpec | None:
+    fmt = response_format_spec(response_format)
+    guided = guided_spec(guided_json, guided_regex, guided_choice)
+    if fmt is not None and guided is not None:
+        raise _bad("response_format and guided_* cannot be combined", "response_format")
+    return fmt or guided

@@ -1,0 +1,99 @@
+"""Compiling specs into llguidance matchers, cached by spec.
+
+One backend per engine (per tokenizer). Building llguidance's tokenizer view costs ~2 s, so it is
+built once, lazily, by the first constrained request. A compiled grammar is kept as a pristine
+matcher; each request gets a deep copy (microseconds), which is what makes the cache pay: the
+Earley tables and lexer built at compile time are shared, the parse state is the request's own.
+Compilation runs on the caller's thread (the server validates in a worker thread), never on the
+engine loop for a cached spec.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from segue.sampling_params import InvalidRequestError
+from segue.structured.request_grammar import RequestGrammar
+from segue.structured.spec import StructuredKind, StructuredSpec
+from segue.structured.tool_grammar import with_json_options
+
+MAX_CACHED_GRAMMARS = 512
+
+
+@dataclass
+class CompileStats:
+    compiles: int = 0
+    hits: int = 0
+    compile_seconds: list[float] = field(default_factory=list)
+
+
+class GrammarBackend:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int) -> None:
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._ll_tokenizer: Any = None
+        self._cache: OrderedDict[StructuredSpec, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = CompileStats()
+
+    @property
+    def ll_tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_id)
+            return self._ll_tokenizer
+
+    def _grammar_text(self, spec: StructuredSpec) -> str:
+        from llguidance import LLMatcher
+
+        if spec.kind is StructuredKind.JSON_SCHEMA:
+            import json
+            return LLMatcher.grammar_from_json_schema(json.dumps(with_json_options(json.loads(spec.value))))
+        if spec.kind is StructuredKind.REGEX:
+            return LLMatcher.grammar_from_regex(spec.value)
+        return LLMatcher.grammar_from_lark(spec.value)
+
+    def compile(self, spec: StructuredSpec) -> Any:
+        """The pristine matcher of `spec`; InvalidRequestError (a 400) for grammars or schema
+        features llguidance does not support. Compiles `after_resume` too, so that a resume never
+        compiles on the engine loop and never fails there."""
+        if spec.after_resume is not None:
+            self.compile(spec.after_resume)
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                self.stats.hits += 1
+                return hit
+        from llguidance import LLMatcher
+
+        t0 = time.perf_counter()
+        tokenizer = self.ll_tokenizer
+        try:
+            grammar = self._grammar_text(spec)
+        except ValueError as e:
+            raise InvalidRequestError(f"invalid {spec.kind.value} constraint: {e}") from None
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        if is_error:
+            raise InvalidRequestError(f"unsupported {spec.kind.value} constraint: {'; '.join(messages)}")
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(f"unsupported {spec.kind.value} constraint: {matcher.get_error()}")
+        with self._lock:
+            self.stats.compiles += 1
+            self.stats.compile_seconds.append(time.perf_counter() - t0)
+            self._cache[spec] = matcher
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return matcher
+
+    def matcher(self, spec: StructuredSpec, start: int) -> RequestGrammar:
+        """A fresh per-request matcher that constrains output tokens from index `start` on."""
+        return RequestGrammar(spec, self.compile(spec).deep_copy(), start, self.eos_token_id)

@@ -1,0 +1,107 @@
+"""Grammars for the model's tool-call format, so constrained output is what ToolCallParser parses.
+
+Segue renders tools for the Hermes convention (templating.TOOL_PROMPT) and parses
+    <tool_call>{"name": "NAME", "arguments": {...}}</tool_call>
+(segue/tools/parser.py). The grammars below emit exactly that: the name is one of the offered
+tools and the arguments object is generated under that tool's JSON schema (inlined with %json),
+with fixed separators so a small model cannot wander off into unbounded whitespace.
+
+- required / named: the output is one call and nothing else (then only end-of-turn is allowed).
+- auto: free text that never contains the start marker, or free text followed by one call. The
+  marker is the trigger: once the model writes it, the rest of the call is constrained, so "auto"
+  can never produce a malformed call. The engine intercepts right after the end marker, so one call
+  per segment is all the grammar needs.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from segue.structured.spec import StructuredSpec
+
+START, END = "<tool_call>", "</tool_call>"
+# Compact-but-readable separators, the ones the tool prompt's example uses.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def with_json_options(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
+    """The schema as Segue compiles it: llguidance's options attached (x-guidance is its extension
+    key) and objects closed (see closed_objects)."""
+    if isinstance(schema, bool):
+        return schema if not schema else {"x-guidance": JSON_OPTIONS}
+    return {**closed_objects(schema), "x-guidance": JSON_OPTIONS}
+
+
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object schema that lists properties
+    and says nothing about others. Every output is still valid against the original schema (it
+    only narrows what may be generated), and a small model then cannot ramble on in invented keys
+    until max_tokens cuts the JSON off. xgrammar's default "strict mode" does the same."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed_objects(v) for k, v in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(v) for v in out[key]]
+    for key in _SCHEMA_VALUES:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    if "properties" in out and not any(k in out for k in ("additionalProperties", "patternProperties",
+                                                            "unevaluatedProperties")):
+        out["additionalProperties"] = False
+    return out
+
+
+def _lit(text: str) -> str:
+    # JSON string syntax is valid Lark string-literal syntax for llguidance.
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _call_rules(tools: list[dict[str, Any]]) -> str:
+    alts, rules = [], []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", tool)
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        head = _lit('{"name": ' + json.dumps(fn["name"], ensure_ascii=False) + ', "arguments": ')
+        rules.append(f"call_{i}: {head} %json {json.dumps(with_json_options(params), ensure_ascii=False)} {_lit('}')}")
+        alts.append(f"call_{i}")
+    return f"call: {_lit(START)} ({' | '.join(alts)}) {_lit(END)}\n" + "\n".join(rules) + "\n"
+
+
+def _forced_call_rules(tools: list[dict[str, Any]]) -> str:
+    # Same as _call_rules without the start marker, which the lazy trigger of "auto" consumes.
+    return _call_rules(tools).replace(f"call: {_lit(START)} ", "call_rest: ", 1)
+
+
+_TEXT = "TEXT: /(.|\\n)*/ & ~/(.|\\n)*" + START + "(.|\\n)*/\n"
+
+
+def no_call_grammar() -> StructuredSpec:
+    """Free text without the start marker: for a conversation about tools in which no call may be
+    made (tool_choice "none"). Small models imitate the calls in their history; unconstrained,
+    the answer would be call markup returned as text."""
+    return StructuredSpec.lark("start: TEXT\n" + _TEXT)
+
+
+def auto_grammar(tools: list[dict[str, Any]]) -> StructuredSpec:
+    lark = (f"start: TEXT | trigger call_rest\n"
+            f"{_TEXT}"
+            f"trigger[lazy]: /(.|\\n)*/ {_lit(START)}\n" + _forced_call_rules(tools))
+    return StructuredSpec.lark(lark)
+
+
+def forced_grammar(tools: list[dict[str, Any]], all_tools: list[dict[str, Any]] | None = None) -> StructuredSpec:
+    """One call to any of `tools` (a single tool for a named tool_choice). After a resume (the
+    call's result joined the context) the model may answer in text or make further valid calls to
+    any of `all_tools` (default: `tools`)."""
+    if not tools:
+        raise ValueError("a forced tool call needs at least one tool")
+    return StructuredSpec.lark("start: call\n" + _call_rules(tools), after_resume=auto_grammar(all_tools or tools))

@@ -1,0 +1,97 @@
+"""Constrained decoding inside the engine loop, on a tiny random Llama: chunked prefill, preemption
+with recomputation, and pause/resume all keep each request's grammar state consistent with its
+tokens. A random model makes any slip visible: only the mask keeps its output valid."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jsonschema
+import pytest
+
+from conftest import default_tokenizer, make_tiny_checkpoint
+from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+from segue.engine import LLMEngine
+from segue.sampling_params import SamplingParams
+from segue.structured import StructuredSpec
+from segue.structured.tool_grammar import forced_grammar
+from segue.tools.parser import ToolCallParser
+
+LIGHT = {"type": "object", "properties": {"on": {"type": "boolean"},
+                                          "level": {"type": "integer", "minimum": 0, "maximum": 9}},
+         "required": ["on", "level"]}
+TOOLS = [{"type": "function", "function": {"name": "set_light", "parameters": LIGHT}}]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("structured") / "tiny")
+
+
+def make(ckpt: pathlib.Path, kv_tokens: int, batched: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=ModelLoadConfig(model=str(ckpt), dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=4, kv_cache_tokens=kv_tokens),
+        scheduler=SchedulerConfig(max_num_batched_tokens=batched)))
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], spec: StructuredSpec) -> dict[str, str]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=40, structured=spec))
+    texts = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                texts[out.request_id] = out.outputs[0].text
+        engine.check_invariants()
+    return texts
+
+
+def test_grammar_state_survives_chunked_prefill_and_preemption(ckpt: pathlib.Path) -> None:
+    tok = default_tokenizer()
+    prompts = [tok.encode(f"Request {i}: " + "turn on the lights " * 8, add_special_tokens=False) for i in range(6)]
+    spec = StructuredSpec.json_schema(LIGHT)
+    roomy = run(make(ckpt, kv_tokens=4096, batched=2048), prompts, spec)
+    tight_engine = make(ckpt, kv_tokens=160, batched=24)
+    tight = run(tight_engine, prompts, spec)
+    assert tight_engine.scheduler.num_preemptions_total > 0
+    # Seeded draws depend on the position only, so a request that was chunked, preempted and
+    # recomputed generates exactly what it does without; the grammar must agree at every step.
+    assert tight == roomy
+    for text in tight.values():
+        jsonschema.validate(json.loads(text), LIGHT)
+
+
+def test_resume_constrains_only_what_follows_with_the_after_resume_grammar(ckpt: pathlib.Path) -> None:
+    engine = make(ckpt, kv_tokens=4096, batched=2048)
+    tok = default_tokenizer()
+    spec = forced_grammar(TOOLS)
+    prompt = tok.encode("Lights!", add_special_tokens=False)
+    engine.add_request("a", prompt, SamplingParams(temperature=1.0, seed=1, max_tokens=80, structured=spec),
+                       tool_parser=ToolCallParser())
+    req = engine.scheduler.requests["a"]
+    out = None
+    while req.interception is None:
+        outs = engine.step()
+        out = outs[-1] if outs else out
+    assert out is not None and out.paused
+    call = out.outputs[0].tool_calls[0]
+    assert call.error is None and call.name == "set_light"
+    jsonschema.validate(call.arguments, LIGHT)
+    result = tok.encode("<|im_end|>\n<|im_start|>tool\nok<|im_end|>\n<|im_start|>assistant\n",
+                        add_special_tokens=False)
+    engine.resume("a", result)
+    # The forced call is done: what follows is free text or another valid call, constrained from
+    # the first token generated after the appended result.
+    assert req.grammar.spec == spec.after_resume
+    assert req.grammar.start == len(req.output_token_ids)
+    while engine.has_unfinished_requests() and req.interception is None:
+        for o in engine.step():
+            out = o
+        engine.check_invariants()
+    text = out.outputs[0].text
+    after = text[text.index("</tool_call>") + len("</tool_call>"):]
+    _, calls = ToolCallParser().find_calls(after)
+    assert all(c.error is None for c in calls)
+    if engine.has_unfinished_requests():
+        engine.abort_request("a")
