@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A module may import its own layer and the ones before it, never a later one.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("segue.sampling_params", "segue.outputs", "segue.request", "segue.request_state",
-                    "segue.trace", "segue.config", "segue.engine_args", "segue.detokenizer", "segue.tools")),
+                    "segue.trace", "segue.config", "segue.engine_args", "segue.detokenizer", "segue.tools",
+                    "segue.structured.spec", "segue.generation_defaults")),
+    ("structured", ("segue.structured",)),
     ("kv", ("segue.kv",)),
     ("sched", ("segue.sched",)),
     ("model", ("segue.model",)),

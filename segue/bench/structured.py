@@ -90,7 +90,7 @@ def measure_compile(engine: Any) -> dict[str, Any]:
 
 
 def measure_tpot(engine: Any, prompt: list[int], batch: int, output_len: int, spec: Any) -> float:
-    from segue.bench.metrics import RequestRecord, tpot
+    from segue.sim.metrics import RequestRecord, tpot
     from segue.sampling_params import SamplingParams
 
     for i in range(batch):
@@ -186,7 +186,7 @@ def run_validity(engine: Any, renderer: Any, args: argparse.Namespace) -> dict[s
 def run(args: argparse.Namespace) -> int:
     import platform
 
-    from segue.cli import engine_config_from_args
+    from segue.engine_args import engine_config_from_args
     from segue.engine import LLMEngine
     from segue.server.templating import ChatRenderer
 
