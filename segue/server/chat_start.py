@@ -27,6 +27,7 @@ from fastapi import Request
 from segue.outputs import RequestOutput
 from segue.sampling_params import InvalidRequestError
 from segue.server.auth import cache_salt
+from segue.server.auto_continue import auto_eligible
 from segue.server.chat_tools import SteeredParser, ToolSetup
 from segue.server.context import ServingContext
 from segue.server.limits import Deadline
@@ -97,8 +98,10 @@ async def start_fresh(ctx: ServingContext, request: Request, body: ChatCompletio
     prompt_ids = await ctx.in_thread(render)
     params = body.to_sampling_params(len(prompt_ids), ctx.max_model_len)
     params.seed = choice_seed(params.seed, choice)
-    # Only a session can continue a paused turn; elsewhere nobody would ever resume it.
-    params.pause_on_stop = params.pause_on_length = session is not None or bool(body.open_session)
+    # Only a session (or, with auto-continuation, a plain client's next request) can continue a
+    # paused turn; elsewhere nobody would ever resume it.
+    params.pause_on_stop = params.pause_on_length = (session is not None or bool(body.open_session)
+                                                     or (choice == 0 and auto_eligible(ctx, body)))
     parser = SteeredParser(setup.forced_prefix) if setup.enabled else None
     rid = random_id("chatcmpl")
     hints = {**body.engine_hints(), **ctx.generate_hints(cache_salt(tenant))}
