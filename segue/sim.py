@@ -106,6 +106,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration-s", type=float, default=600.0,
                    help="trace window: rate × duration requests per rate, unless --num-requests (default: 600)")
     p.add_argument("--plot", default=None, metavar="PATH", help="PNG of mean normalized latency vs rate")
+    from segue.bench.sim_workloads import add_sim_workload_args
+    add_sim_workload_args(p)
 
 
 def load_workload(args: argparse.Namespace, max_model_len: int) -> tuple[list[Any], int]:
@@ -171,6 +173,9 @@ def run_sim(args: argparse.Namespace) -> int:
     from segue.executor.sim_executor import make_sim_engine
     from segue.sched.cost_model import PRESETS, CostModel
 
+    if getattr(args, "workload", "infercept") != "infercept":
+        from segue.bench.sim_workloads import run_sim_workload
+        return run_sim_workload(args)
     if args.preset in PRESETS:
         cost = PRESETS[args.preset]
     elif os.path.exists(args.preset):
