@@ -40,7 +40,8 @@ def test_draw_is_deterministic_and_within_bounds() -> None:
 
 
 @pytest.mark.parametrize("mode,policy", [("plain", "discard"), ("sessions", "discard"), ("sessions", "preserve"),
-                                         ("sessions", "swap"), ("sessions", "min-waste"), ("sessions", "ttl")])
+                                         ("sessions", "swap"), ("sessions", "min-waste"), ("sessions", "ttl"),
+                                         ("auto", "min-waste"), ("auto", "discard"), ("auto", "preserve")])
 def test_agents_finish_with_invariants(mode: str, policy: str) -> None:
     engine = sim_engine(policy)
     agents = draw_agents(SMALL)

@@ -29,6 +29,8 @@ from segue.bench.filler import filler_text
 from segue.bench.workloads.agents import Agent, AgentSpec
 
 logger = logging.getLogger(__name__)
+# One INFO line per HTTP request would drown the report.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 MODES = ("plain", "sessions")
 
 

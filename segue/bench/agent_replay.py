@@ -8,7 +8,11 @@ Modes, as the HTTP client's:
   links the turns, as for an OpenAI client that re-sends its history.
 - `sessions`: one request per agent that pauses after each turn for the tool's time and resumes
   with the tool result appended (a trace script), as a Segue session or an auto-continued plain
-  client does; the interception policy decides what the pause costs.
+  client does; the interception policy decides what the pause costs. The session is closed with
+  the last turn (the client says it is done).
+- `auto`: `sessions` as a plain client with auto-continuation gets it: nobody says the last turn
+  was the last, so it is held like the others; after `release_s` it is released to the prefix
+  cache (Scheduler.abandon) and after `ttl_s` aborted, as the server's auto-continuation does.
 
 Both modes feed the engine the same token sequences, so a turn's prompt in `plain` is exactly
 what the paused request holds in `sessions`.
@@ -26,7 +30,7 @@ from segue.bench.workloads.agents import Agent, AgentSpec, system_prompt_ids, ta
 from segue.sampling_params import SamplingParams
 from segue.trace import TraceSegment
 
-MODES = ("plain", "sessions")
+MODES = ("plain", "sessions", "auto")
 
 
 @dataclass
@@ -60,7 +64,8 @@ class EngineAgentResult:
 
 
 def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clock_wait: Callable[[float], None],
-               check_invariants: bool = False, deadline_s: float | None = None) -> EngineAgentResult:
+               check_invariants: bool = False, deadline_s: float | None = None, release_s: float = 10.0,
+               ttl_s: float = 60.0) -> EngineAgentResult:
     """Drive `engine` (LLMEngine, real or simulated) through the agents; `clock_wait(t)` returns
     once engine.clock() >= t."""
     if mode not in MODES:
@@ -73,8 +78,9 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
     pre0, steps0 = engine.scheduler.num_preemptions_total, engine.num_steps
     waste0 = engine.waste.totals.as_dict()
     states = {a.index: _AgentState(a, start + a.arrival_s, system + task_ids(spec, a, vocab)) for a in agents}
-    # (time, seq, agent index): an agent's next turn is due (its arrival, or its tool's end).
-    due = [(s.arrival, a.index, a.index) for a, s in ((a, states[a.index]) for a in agents)]
+    # (time, seq, agent index, action): an agent's next turn is due (its arrival, or its tool's
+    # end), or (auto) its held last turn is released or dropped.
+    due = [(s.arrival, a.index, a.index, "turn") for a, s in ((a, states[a.index]) for a in agents)]
     heapq.heapify(due)
     seq = len(due)
     wall0 = time.perf_counter()
@@ -88,32 +94,55 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
             return
         script = [TraceSegment(spec.output_tokens, a.tool_s[t], tool_result_ids(spec, a, t, vocab), kind="tool")
                   for t in range(a.num_turns - 1)] + [TraceSegment(spec.output_tokens)]
+        if mode == "auto":
+            # Held after the last turn until dropped (the resume at 10 × TTL never comes).
+            script[-1] = TraceSegment(spec.output_tokens, 10 * ttl_s, [vocab[0]], kind="turn")
+            script.append(TraceSegment(1))
         engine.add_request(f"a{a.index}", list(st.context), params, arrival_time=at, script=script)
 
-    def finished(rid: str, token_ids: list[int], now: float) -> None:
+    def push(at: float, idx: int, action: str) -> None:
         nonlocal seq
+        seq += 1
+        heapq.heappush(due, (at, seq, idx, action))
+
+    def finished(rid: str, token_ids: list[int], now: float) -> None:
         idx = int(rid[1:].split("-")[0])
         st = states[idx]
-        if mode == "sessions" or st.turn + 1 >= st.agent.num_turns:
-            st.end = now
+        if mode != "plain" or st.turn + 1 >= st.agent.num_turns:
+            if st.end is None:
+                st.end = now
             return
         st.context += list(token_ids) + tool_result_ids(spec, st.agent, st.turn, vocab)
-        seq += 1
-        heapq.heappush(due, (now + st.agent.tool_s[st.turn], seq, idx))
+        push(now + st.agent.tool_s[st.turn], idx, "turn")
         st.turn += 1
+
+    def act(idx: int, action: str, at: float) -> None:
+        rid = f"a{idx}"
+        if action == "turn":
+            submit(states[idx], at)
+        elif action == "release":
+            engine.scheduler.abandon(rid)
+        elif action == "drop":
+            engine.abort_request(rid)
 
     while due or engine.has_unfinished_requests():
         now = engine.clock()
         if deadline_s is not None and now - start > deadline_s:
             break
         while due and due[0][0] <= now:
-            at, _, idx = heapq.heappop(due)
-            submit(states[idx], at)
+            at, _, idx, action = heapq.heappop(due)
+            act(idx, action, at)
         if engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     last = max(last, engine.clock())
                     finished(out.request_id, out.outputs[0].token_ids, engine.clock())
+                elif mode == "auto":
+                    st = states[int(out.request_id[1:])]
+                    if st.end is None and out.outputs[0].num_generated_tokens >= st.agent.num_turns * spec.output_tokens:
+                        st.end = last = max(last, engine.clock())
+                        push(st.end + release_s, st.agent.index, "release")
+                        push(st.end + ttl_s, st.agent.index, "drop")
             if check_invariants:
                 engine.check_invariants()
             if not engine.last_step_idle:

@@ -2,7 +2,8 @@
 history re-sent every turn (workloads/agents.py), on configurations side by side.
 
 A configuration is `NAME=KEY:VALUE,...` with keys `target` (engine | sim | url), `url`, `model`,
-`mode` (plain | sessions), `interception`, `policy`, `keep_sessions` (url, sessions mode: never
+`mode` (plain | sessions | auto: engine and simulator, a plain client's turns continued by the
+server, the last one held until released, see agent_replay.py), `interception`, `policy`, `keep_sessions` (url, sessions mode: never
 close a session, as an agent that just goes away). For example:
 
   segue bench agents --url http://127.0.0.1:8000/v1 --modes plain,sessions       # any OpenAI server
@@ -26,7 +27,7 @@ from typing import Any
 from segue.bench import Benchmark
 
 DEFAULT_CONFIGS = ("plain=mode:plain", "sessions-min-waste=mode:sessions,interception:min-waste",
-                   "sessions-discard=mode:sessions,interception:discard")
+                   "sessions-discard=mode:sessions,interception:discard", "auto-min-waste=mode:auto,interception:min-waste")
 
 
 @dataclass
@@ -61,8 +62,11 @@ def parse_agent_config(text: str, default_target: str) -> AgentRunConfig:
                              "policy, keep_sessions)")
     if cfg.target not in ("engine", "sim", "url") or (cfg.target == "url" and not cfg.url):
         raise SystemExit(f"config {cfg.name}: target must be engine, sim or url (with url:...)")
-    if cfg.mode not in ("plain", "sessions"):
-        raise SystemExit(f"config {cfg.name}: mode must be plain or sessions")
+    if cfg.mode not in ("plain", "sessions", "auto"):
+        raise SystemExit(f"config {cfg.name}: mode must be plain, sessions or auto")
+    if cfg.mode == "auto" and cfg.target == "url":
+        raise SystemExit(f"config {cfg.name}: on a URL, auto-continuation is the server's (auto_continue in its "
+                         "config); drive it with mode:plain")
     return cfg
 
 
@@ -148,6 +152,10 @@ def run_config(args: argparse.Namespace, cfg: AgentRunConfig, runner: Any) -> di
                        k.startswith("waste_") for k in srv) else None,
                    prefix_hit=hit / query if hit is not None and query else None,
                    cached_share=sum(t.cached_tokens for t in turns) / max(1, sum(t.prompt_tokens for t in turns)),
+                   turn_ttft_mean=_mean([t.first_token - t.start for t in turns if t.first_token is not None]),
+                   turn_latency_mean=_mean([t.end - t.start for t in turns]),
+                   turns=[[r.index, t.start - r.arrival, (t.first_token or t.end) - t.start, t.end - t.start,
+                           t.prompt_tokens, t.cached_tokens, t.completion_tokens] for r in recs for t in r.turns],
                    server=srv)
     else:
         from segue.bench.agent_replay import run_agents
@@ -170,6 +178,10 @@ def run_config(args: argparse.Namespace, cfg: AgentRunConfig, runner: Any) -> di
     row["mean_busy_s"] = sum(busy) / len(busy) if busy else None
     row["num_agents"] = len(agents)
     return row
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
 
 
 def _f(v: Any, fmt: str) -> str:

@@ -66,11 +66,12 @@ def _agents(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
     spec = AgentSpec.from_args(args)
     agents = draw_agents(spec)
     rows = []
-    for mode, policy in [("plain", None)] + [("sessions", p) for p in args.interception_policies]:
+    configs = [("plain", None)] + [(m, p) for m in ("sessions", "auto") for p in args.interception_policies]
+    for mode, policy in configs:
         engine = _engine(args, policy)
         res = run_agents(engine, spec, agents, mode, engine.clock.advance_to).to_dict()
         busy = res["busy_s"]
-        rows.append({**res, "config": mode if policy is None else f"sessions-{policy}", "target": "sim",
+        rows.append({**res, "config": mode if policy is None else f"{mode}-{policy}", "target": "sim",
                      "mode": mode, "interception": policy, "num_agents": len(agents),
                      "mean_busy_s": sum(busy) / len(busy) if busy else None,
                      "recompute_gbs": res["waste_gbs"]["recompute_gbs"], "waste_total_gbs": res["waste_gbs"]["total_gbs"],
