@@ -6,7 +6,8 @@ A configuration is `NAME=KEY:VALUE,...` with keys `target` (engine | sim | url),
 server, the last one held until released, see agent_replay.py), `interception`, `policy`, `keep_sessions` (url, sessions mode: never
 close a session, as an agent that just goes away). For example:
 
-  segue bench agents --url http://127.0.0.1:8000/v1 --modes plain,sessions       # any OpenAI server
+  segue bench agents --url http://127.0.0.1:8000/v1 --modes plain,sessions       # Segue
+  segue bench agents --url http://127.0.0.1:8765/v1 --modes plain --model NAME   # any OpenAI server
   segue bench agents --target engine --kv-cache-tokens 8192 --max-model-len 4096 \\
       --config plain=mode:plain --config mw=mode:sessions,interception:min-waste
   segue bench agents --target sim --preset prof.json --kv-cache-tokens 8192 --max-model-len 4096
@@ -81,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--url", default=None, help="an OpenAI-compatible server (…/v1): runs --modes on it")
     g.add_argument("--modes", default="plain,sessions", help="with --url: which client modes (default: both)")
     g.add_argument("--served-model", dest="url_model", default=None,
-                   help="with --url: the model name to send (default: the server's first model)")
+                   help="with --url: the model name to send (default: --model, else the server's first model)")
     g.add_argument("--target", choices=["engine", "sim"], default="engine",
                    help="where configurations without a url or target run (default: engine)")
     g.add_argument("--api-key", default=None, help="bearer key for url targets")
@@ -96,7 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def configs_from_args(args: argparse.Namespace) -> list[AgentRunConfig]:
     texts = list(args.configs)
     if args.url:
-        model = f",model:{args.url_model}" if args.url_model else ""
+        # With --url no engine is loaded here, so --model names the served model too.
+        name = args.url_model or args.model
+        model = f",model:{name}" if name else ""
         texts += [f"{m}=url:{args.url},mode:{m}{model}" for m in args.modes.split(",") if m]
     if not texts:
         texts = list(DEFAULT_CONFIGS)
