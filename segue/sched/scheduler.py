@@ -98,6 +98,16 @@ class Scheduler:
             self.waiting.append(request)
         self.policy.on_resumed(request, now)
 
+    def set_expected_resume(self, request_id: str, t: float) -> bool:
+        """When a paused request is expected to be continued (absolute clock time; math.inf:
+        never). False if it is not paused."""
+        return self.paused.set_expected_resume(request_id, t)
+
+    def abandon(self, request_id: str) -> bool:
+        """Nobody is expected to continue this paused request: its device memory goes back to
+        the pool now (its blocks stay in the prefix cache, evicted first). False if not paused."""
+        return self.paused.abandon(request_id)
+
     def waiting_holders(self) -> list[Request]:
         """The waiting requests that hold device KV, found through the KV tables: the pool bounds
         them, while an overloaded waiting queue holds thousands and is scanned by no per-step pass."""
@@ -158,7 +168,7 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
-                if self.paused.release_for_memory(self.kv.num_blocks_needed(req, num_new)):
+                if self.paused.release_for_memory(self.kv.num_blocks_needed(req, num_new), now):
                     continue
                 # Only requests not yet scheduled this step may give way (the current one included).
                 victim = self.policy.preemption_order(self.running[i:], now)[0]
