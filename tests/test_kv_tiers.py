@@ -6,19 +6,22 @@ checks the content of every KV slot that a step reads."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
 from test_interception_sched import FakeKVExecutor
-from segue.config import SchedulerConfig
+from segue.config import CacheConfig, EngineConfig, SchedulerConfig
+from segue.executor.sim_executor import make_sim_engine
 from segue.kv.block_pool import BlockPool
 from segue.kv.manager import KVCacheManager
 from segue.request import Disposition, Request, RequestStatus
 from segue.sampling_params import SamplingParams
 from segue.sched.cost_model import CostModel
-from segue.sched.interception import make_interception_policy
+from segue.sched.interception import INTERCEPTION_POLICIES, make_interception_policy
 from segue.sched.policies import make_policy
 from segue.sched.scheduler import Scheduler
+from segue.trace import TraceSegment
 
 BS = 4
 SYSTEM = list(range(100, 112))  # three full blocks every agent shares
@@ -209,3 +212,32 @@ def test_release_keeps_a_context_head_longer_than_its_tail():
     assert a.num_computed_tokens == 0
     evicted = [b.block_id for b in kv.device.allocate(6)]
     assert evicted[2:] == list(reversed(ids))  # two hash-less first, then the tail before the head
+
+
+@pytest.mark.parametrize("order", ["fcfs", "mlfq"])
+@pytest.mark.parametrize("policy", sorted(INTERCEPTION_POLICIES))
+def test_agents_sharing_a_system_prompt_in_the_simulator(policy, order):
+    """Agents with one long system prompt, tool pauses and a held last turn, on a pool that holds
+    a few of them: every request finishes, nothing leaks, invariants hold after every step."""
+    rng = random.Random(7)
+    system = [rng.randrange(1000, 40000) for _ in range(200)]
+    config = EngineConfig(cache=CacheConfig(block_size=16, swap_space_tokens=1024),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=32, policy=order,
+                                                    interception_policy=policy))
+    engine = make_sim_engine(CostModel(), 1024, config, max_model_len=2048)
+    for a in range(10):
+        script = [TraceSegment(8, rng.uniform(0.5, 3.0), [rng.randrange(1000, 40000) for _ in range(60)], kind="tool")
+                  for _ in range(rng.randint(2, 4))] + [TraceSegment(8, 20.0, [1]), TraceSegment(1)]
+        engine.add_request(f"a{a}", system + [rng.randrange(1000, 40000) for _ in range(30)],
+                           SamplingParams(temperature=0), arrival_time=engine.clock() + a * 0.3, script=script)
+    for _ in range(200_000):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        engine.check_invariants()
+        if engine.last_step_idle:
+            engine.clock.advance_to(engine.next_timer())
+    assert not engine.has_unfinished_requests()
+    kv = engine.scheduler.kv
+    assert kv.num_held_blocks() == 0 and not kv.host_tables
+    assert engine.scheduler.prefix_hit_tokens >= 8 * 192  # most agents find the system prompt cached
