@@ -138,6 +138,10 @@ class SessionStore:
         session.last_used = self.clock()
         if session.closed:  # closed while its turn ran: the turn's request was aborted then
             self._release(session)
+        elif session.implicit and session.held is None:
+            # Nothing to continue, and nobody knows the id: keep no empty shell around.
+            session.closed = True
+            self._release(session)
 
     def take_held(self, session: Session) -> HeldRequest | None:
         held, session.held = session.held, None
