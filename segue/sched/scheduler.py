@@ -293,3 +293,8 @@ class Scheduler:
             assert req.status == RequestStatus.INTERCEPTED and req.interception is not None
         for req in self.paused.swapped:
             assert req.status == RequestStatus.SWAPPED and req.request_id in self.kv.host_tables
+        for rid in self.kv.host_tables:
+            req = self.requests[rid]
+            assert req.status in (RequestStatus.INTERCEPTED, RequestStatus.SWAPPED), f"{rid}: host KV while {req.status}"
+            held = self.kv.num_device_blocks_of(rid) + self.kv.num_host_blocks_of(rid)
+            assert held * self.kv.block_size >= req.num_computed_tokens, f"{rid}: KV lost between the tiers"
