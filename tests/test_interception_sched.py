@@ -29,7 +29,10 @@ class FakeKVExecutor:
         self.host: dict[int, list] = {}
 
     def execute(self, out) -> dict[str, int]:
-        # Swap-in first: a host block freed by a swap-in may be the target of this step's swap-out.
+        # Write-backs first (their device blocks are overwritten this step), then swap-ins, then
+        # swap-outs, as the real executor does.
+        for d, h in out.blocks_to_back_up:
+            self.host[h] = list(self.device.get(d, [None] * self.bs))
         for h, d in out.blocks_to_swap_in:
             self.device[d] = list(self.host[h])
         for d, h in out.blocks_to_swap_out:

@@ -135,10 +135,7 @@ def test_host_tier_is_hit_by_another_request():
     now += 0.01
     out, _ = step(sched, ex, now)
     assert b.status is RequestStatus.SWAPPED and b.num_cached_tokens == 28  # 7 full blocks
-    assert len(out.blocks_to_swap_in) == 0  # the copies run in the next step's swap budget
-    now += 0.01
-    out, _ = step(sched, ex, now)
-    assert len(out.blocks_to_swap_in) == 7
+    assert len(out.blocks_to_swap_in) == 7 and not out.seqs  # it runs once the copies are done
     assert sched.kv.num_host_blocks_of("a") == 8  # the owner still has its own
     while not b.is_finished:
         now += 0.01
@@ -241,3 +238,31 @@ def test_agents_sharing_a_system_prompt_in_the_simulator(policy, order):
     kv = engine.scheduler.kv
     assert kv.num_held_blocks() == 0 and not kv.host_tables
     assert engine.scheduler.prefix_hit_tokens >= 8 * 192  # most agents find the system prompt cached
+
+
+def test_evicted_cached_blocks_are_written_back_to_the_host_tier():
+    """A finished request's cached blocks, evicted for another request, are copied to the host
+    first (within the swap budget); a later request with that prefix loads them from there."""
+    sched, ex = make("min-waste", device_blocks=10, host_blocks=20)
+    a = Request("a", list(range(24)), SamplingParams(max_tokens=2), 0.0)
+    sched.add_request(a)
+    now = run_until_generated(sched, ex, a, 2, 0.0)
+    assert a.is_finished and sched.kv.device.num_cached_free_blocks == 6
+    big = Request("big", list(range(500, 538)), SamplingParams(max_tokens=2), now)
+    sched.add_request(big)
+    now += 0.01
+    out, _ = step(sched, ex, now)
+    assert len(out.blocks_to_back_up) == 6  # a's six cached blocks, evicted for big's ten
+    while not big.is_finished:
+        now += 0.01
+        step(sched, ex, now)
+    sched.kv.device.reset_prefix_cache()
+    c = Request("c", list(range(24)) + [9], SamplingParams(max_tokens=3), now)
+    sched.add_request(c)
+    now += 0.01
+    out, _ = step(sched, ex, now)
+    assert c.num_cached_tokens == 24 and len(out.blocks_to_swap_in) == 6
+    while not c.is_finished:
+        now += 0.01
+        step(sched, ex, now)  # the fake executor checks every KV slot c attends to
+        assert sched.last_step_recompute_tokens == 0

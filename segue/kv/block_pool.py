@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -51,6 +52,8 @@ class BlockPool:
         self._heap: list[tuple[float, int, int]] = []
         self._seq = 0
         self._cached: dict[int, KVBlock] = {}
+        # Called with each cached block about to lose its hash to a reallocation (write-back).
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -74,6 +77,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self._pop_victim()
+            if block.block_hash is not None and self.on_evict is not None:
+                self.on_evict(block)
             self._evict_hash(block)
             block.ref_cnt = 1
             out.append(block)

@@ -36,6 +36,19 @@ class KVCacheManager:
         self._swapping_out: list[KVBlock] = []
         # Host blocks being written this step: published in the host tier only once the copy is done.
         self._host_pending: list[tuple[KVBlock, int, tuple[int, ...]]] = []
+        # Host blocks that this step's copies read (swap-ins) or write (swap-outs) and that their
+        # owner let go of: free only from the next step, so that no other copy of this step
+        # (write-backs run first, swap-outs last) lands on one out of order.
+        self._host_deferred: list[KVBlock] = []
+        self._host_writing: set[int] = set()
+        # Write-back (SGLang's write_back policy): a cached device block evicted while the step's
+        # swap budget has room is copied to the host tier instead of lost. The scheduler sets the
+        # budget each step and collects the copies (take_back_ups()).
+        self.back_up_budget = 0
+        self._back_ups: list[tuple[int, int]] = []
+        self._backed_up: list[KVBlock] = []
+        if self.host is not None and enable_prefix_caching:
+            self.device.on_evict = self._back_up
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -167,11 +180,16 @@ class KVCacheManager:
         self._num_registered.pop(rid, None)
 
     def _free_host(self, blocks: list[KVBlock], reuse_at: list[float] | None = None) -> None:
-        # A block whose copy is still in flight must not be published later: freed, its slot may
-        # take another copy in this same step.
-        if self._host_pending:
-            gone = {b.block_id for b in blocks if b.ref_cnt == 1}
-            self._host_pending = [p for p in self._host_pending if p[0].block_id not in gone]
+        if self._host_writing:
+            # Written this step and let go: never published, and free only from the next step.
+            late = [b for b in blocks if b.ref_cnt == 1 and b.block_id in self._host_writing]
+            if late:
+                ids = {b.block_id for b in late}
+                self._host_pending = [p for p in self._host_pending if p[0].block_id not in ids]
+                self._host_deferred.extend(late)
+                keep = [i for i, b in enumerate(blocks) if b.block_id not in ids]
+                blocks = [blocks[i] for i in keep]
+                reuse_at = [reuse_at[i] for i in keep] if reuse_at is not None else None
         self.host.free(blocks, reuse_at)
 
     def release(self, request: Request, reuse_at: float | None = None, block_recompute_s: float = 0.0) -> None:
@@ -228,6 +246,7 @@ class KVCacheManager:
             else:
                 hb = self.host.allocate(1)[0]
                 copies.append((dev.block_id, hb.block_id))
+                self._host_writing.add(hb.block_id)
                 if key is not None:
                     self._host_pending.append((hb, *key))
             host_blocks.append(hb)
@@ -250,6 +269,30 @@ class KVCacheManager:
             if block.ref_cnt > 0:
                 self.host.register(block, block_hash, token_ids)
         self._host_pending = []
+        if self._backed_up:
+            self.host.free(self._backed_up)  # now cached in the host tier, owned by no one
+            self._backed_up = []
+        self._host_writing.clear()
+        if self._host_deferred:
+            self._free_host(self._host_deferred)
+            self._host_deferred = []
+
+    def _back_up(self, block: KVBlock) -> None:
+        if self.back_up_budget <= 0 or self.host.lookup(block.block_hash, block.token_ids) is not None:
+            return
+        if not self.host.num_free_blocks:
+            return
+        hb = self.host.allocate(1)[0]
+        self.back_up_budget -= 1
+        self._back_ups.append((block.block_id, hb.block_id))
+        self._host_pending.append((hb, block.block_hash, block.token_ids))
+        self._backed_up.append(hb)
+
+    def take_back_ups(self) -> list[tuple[int, int]]:
+        """This step's write-back copies (device, host); the budget ends with the step."""
+        out, self._back_ups = self._back_ups, []
+        self.back_up_budget = 0
+        return out
 
     def swap_in_blocks(self, request: Request, max_blocks: int) -> list[tuple[int, int]]:
         """Bring host blocks back to the device, up to max_blocks copies; returns the (host,
@@ -278,7 +321,7 @@ class KVCacheManager:
         if not host_table:
             del self.host_tables[rid]
         self.tables[rid] = self.tables.get(rid, []) + new_blocks
-        self._free_host(list(reversed(moving)))
+        self._host_deferred.extend(reversed(moving))
         return copies
 
     def discard_device_blocks(self, request: Request) -> None:
@@ -297,11 +340,13 @@ class KVCacheManager:
             assert len({b.block_id for b in table}) == len(table), f"request {rid} holds a block twice"
         self.device.check_invariants(refs)
         if self.host is not None:
-            self.host.check_invariants(Counter(b.block_id for t in self.host_tables.values() for b in t))
+            host_refs = Counter(b.block_id for t in self.host_tables.values() for b in t)
+            host_refs.update(b.block_id for b in self._host_deferred + self._backed_up)
+            self.host.check_invariants(host_refs)
             pending = [b.block_id for b, _, _ in self._host_pending]
             assert len(set(pending)) == len(pending), "a host block is written twice in one step"
         else:
-            assert not self.host_tables and not self._host_pending
+            assert not self.host_tables and not self._host_pending and not self._back_ups
 
     def num_held_blocks(self) -> int:
         return sum(len(t) for t in self.tables.values())

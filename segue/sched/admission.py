@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from segue.kv.block_pool import KVBlock
 from segue.request import Request, RequestStatus
 from segue.sched.output import SchedulerOutput
-from segue.sched.preemption import Room, holders_below, make_room
+from segue.sched.preemption import Room, holders_below, make_room, swap_budget_blocks
 
 if TYPE_CHECKING:
     from segue.sched.scheduler import Scheduler
@@ -94,7 +94,7 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: int,
         hits, num_hit = ([], 0)
         if req.num_computed_tokens == 0:
             hits, num_hit = sched.kv.get_computed_blocks(req)
-            if blocked is None and _load_host_hits(sched, req, hits):
+            if blocked is None and _load_host_hits(sched, req, hits, out):
                 continue
         num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
         if decode_room > 0 and not decode:
@@ -231,12 +231,18 @@ def release_waiting_kv(sched: Scheduler, head: Request, need_blocks: int) -> boo
     return freed
 
 
-def _load_host_hits(sched: Scheduler, req: Request, device_hits: list[KVBlock]) -> bool:
+def _load_host_hits(sched: Scheduler, req: Request, device_hits: list[KVBlock], out: SchedulerOutput) -> bool:
     """A request whose prefix goes on past its device hits into the host tier takes those
-    host blocks and swaps them in like a resumed swapped-out request (chunked within each
-    step's swap limit, before it runs) instead of recomputing them. True if it did."""
+    host blocks and swaps them in like a resumed swapped-out request (the first chunk now,
+    the rest within later steps' swap limits, before it runs) instead of recomputing them.
+    Only when this step can start the copy: a step that only queued it would look idle.
+    True if it did."""
     host_hits = sched.kv.get_host_hits(req, len(device_hits))
     if not host_hits:
+        return False
+    budget = swap_budget_blocks(sched, out)
+    free = sched.kv.num_free_blocks - sum(1 for b in device_hits if b.ref_cnt == 0)
+    if budget <= 0 or free <= 0:
         return False
     sched.kv.attach_host_hits(req, device_hits, host_hits)
     if req.num_cached_tokens < 0:
@@ -244,7 +250,7 @@ def _load_host_hits(sched: Scheduler, req: Request, device_hits: list[KVBlock]) 
         sched.prefix_hit_tokens += req.num_computed_tokens
         sched.prefix_query_tokens += req.num_prompt_tokens
     sched.waiting.remove(req)
-    sched.paused.enqueue_swapped(req)
+    out.blocks_to_swap_in += sched.paused.begin_swap_in(req, budget)
     return True
 
 

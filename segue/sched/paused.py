@@ -57,6 +57,17 @@ class PausedRequests:
         self.swapped.append(req)
         self.swapped.sort(key=lambda r: (r.sched_arrival_time, r.seq_no))
 
+    def begin_swap_in(self, req: Request, max_blocks: int) -> list[tuple[int, int]]:
+        """Start bringing a request's host part in within this step (a host-tier hit at
+        admission); the rest follows in later steps' swap-ins. Returns this step's copies."""
+        copies = self.kv.swap_in_blocks(req, max_blocks)
+        if self.kv.num_host_blocks_of(req.request_id):
+            self.enqueue_swapped(req)
+        else:
+            req.status = RequestStatus.SWAPPED
+            self._landing.append(req)
+        return copies
+
     @property
     def landing(self) -> list[Request]:
         return list(self._landing)

@@ -149,6 +149,10 @@ class Scheduler:
         plan = self.paused.plan(now, running_tokens, len(self.running), self.last_batch_tokens,
                                 keep_free_blocks=keep_free)
         out.blocks_to_swap_out, out.blocks_to_swap_in = plan.swap_out, plan.swap_in
+        # What the link can still copy behind this step's compute goes to write-backs of evicted
+        # cached blocks into the host tier.
+        self.kv.back_up_budget = max(0, self.cost.swap_limit(self.last_batch_tokens) // self.kv.block_size
+                                     - len(plan.swap_in) - len(plan.swap_out))
         for req in plan.ready:
             req.status = RequestStatus.WAITING
             self.waiting.append(req)
@@ -197,6 +201,7 @@ class Scheduler:
             self.policy.on_scheduled(req, num_new, now)
         if reserve > 0:
             keep_reserve(self, out, reserve, now)
+        out.blocks_to_back_up = self.kv.take_back_ups()
         return out
 
     def _rejoin_resident(self) -> None:
