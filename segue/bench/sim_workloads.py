@@ -24,6 +24,9 @@ def add_sim_workload_args(p: argparse.ArgumentParser) -> None:
                    help="infercept (the trace, default), agents (shared system prompt, multi-turn, tools), "
                         "chain or map-reduce (Parrot's programs vs request-centric clients)")
     add_agent_args(p, seed=False)
+    p.add_argument("--agent-modes", default="plain,sessions,auto",
+                   help="agents: client modes to run (plain once; sessions and auto under each "
+                        "--interception-policies; default: plain,sessions,auto)")
     g = p.add_argument_group("programs (chain, map-reduce)")
     g.add_argument("--program-chunks", type=int, default=20, help="document chunks (default: 20)")
     g.add_argument("--chunk-tokens", type=int, default=1024, help="tokens per chunk (default: 1024)")
@@ -66,7 +69,9 @@ def _agents(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
     spec = AgentSpec.from_args(args)
     agents = draw_agents(spec)
     rows = []
-    configs = [("plain", None)] + [(m, p) for m in ("sessions", "auto") for p in args.interception_policies]
+    modes = [m.strip() for m in args.agent_modes.split(",") if m.strip()]
+    configs = ([("plain", None)] if "plain" in modes else []) + [
+        (m, p) for m in ("sessions", "auto") if m in modes for p in args.interception_policies]
     for mode, policy in configs:
         engine = _engine(args, policy)
         res = run_agents(engine, spec, agents, mode, engine.clock.advance_to).to_dict()
