@@ -27,11 +27,12 @@ BS = 4
 SYSTEM = list(range(100, 112))  # three full blocks every agent shares
 
 
-def make(policy: str, device_blocks: int = 40, host_blocks: int = 40, budget: int = 64) -> tuple[Scheduler, FakeKVExecutor]:
+def make(policy: str, device_blocks: int = 40, host_blocks: int = 40, budget: int = 64,
+         fwd_ms_per_token: float = 1.0) -> tuple[Scheduler, FakeKVExecutor]:
     kv = KVCacheManager(BS, device_blocks, host_blocks)
     # A fast link: the whole context fits in one step's swap limit.
-    cost = CostModel(fwd_ms_per_token=1.0, fwd_base_ms=5.0, saturation_tokens=16, swap_bytes_per_s=1e9,
-                     kv_bytes_per_token=100)
+    cost = CostModel(fwd_ms_per_token=fwd_ms_per_token, fwd_base_ms=5.0, saturation_tokens=16,
+                     swap_bytes_per_s=1e9, kv_bytes_per_token=100)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8), kv, make_policy("fcfs"),
                       max_model_len=200, interception=make_interception_policy(policy), cost=cost)
     return sched, FakeKVExecutor(BS)
@@ -266,3 +267,39 @@ def test_evicted_cached_blocks_are_written_back_to_the_host_tier():
         now += 0.01
         step(sched, ex, now)  # the fake executor checks every KV slot c attends to
         assert sched.last_step_recompute_tokens == 0
+
+
+def test_blocks_kept_for_an_overdue_resume_decay():
+    """Once the expected resume has passed by x, the block is expected x later still: a held
+    turn whose client never came back is evicted before one expected soon."""
+    pool = BlockPool(3)
+    blocks = pool.allocate(3)
+    for i, blk in enumerate(blocks):
+        pool.register(blk, 2000 + i, (i,))
+    pool.now = 10.0
+    pool.free([blocks[0]], [12.0])   # expected in 2 s
+    pool.free([blocks[1]], [9.0])    # 1 s overdue: expected at 11
+    pool.free([blocks[2]], [1.0])    # 9 s overdue: expected at 19
+    assert [pool.allocate(1)[0].block_id for _ in range(3)] == [2, 0, 1]
+
+
+def test_min_waste_releases_a_held_turn_once_it_is_long_overdue():
+    from segue.sched.interception.base import PausedRequest, estimated_duration
+    req = Request("a", [1], SamplingParams(), 0.0)
+    assert estimated_duration(PausedRequest(req, 64, 0, elapsed_s=1.0, expected_s=3.0)) == 2.0
+    assert estimated_duration(PausedRequest(req, 64, 0, elapsed_s=3.0, expected_s=3.0)) == 0.0
+    assert estimated_duration(PausedRequest(req, 64, 0, elapsed_s=10.0, expected_s=3.0)) == 7.0
+    # No host (preserve or discard); recompute costly enough that a wait under ~1 s is held.
+    sched, ex = make("min-waste", host_blocks=0, fwd_ms_per_token=100.0)
+    a = Request("a", list(range(22)), SamplingParams(max_tokens=8), 0.0)
+    sched.add_request(a)
+    now = run_until_generated(sched, ex, a, 3, 0.0)
+    sched.intercept_request(a, now)
+    sched.set_expected_resume("a", now + 0.5)
+    held = []
+    for _ in range(400):
+        now += 0.01
+        step(sched, ex, now)
+        held.append(sched.kv.num_device_blocks_of("a"))
+    # Held while expected back soon and just after; released once overdue by about as long.
+    assert held[60] > 0 and held[-1] == 0 and held.index(0) > 100

@@ -48,8 +48,13 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._lru: OrderedDict[int, KVBlock] = OrderedDict()
         self._hinted: dict[int, KVBlock] = {}
-        # (-reuse_at, seq, block_id): the furthest expected reuse on top; stale entries are skipped.
+        # (-reuse_at, seq, block_id): the furthest expected reuse on top, and (reuse_at, seq,
+        # block_id): the most overdue on top; stale entries are skipped.
         self._heap: list[tuple[float, int, int]] = []
+        self._overdue: list[tuple[float, int, int]] = []
+        # The clock, set each step: a block whose expected reuse has passed by x is expected x
+        # later still (InferCept's dynamic estimate), so a held turn nobody continues decays.
+        self.now = 0.0
         self._seq = 0
         self._cached: dict[int, KVBlock] = {}
         # Called with each cached block about to lose its hash to a reallocation (write-back).
@@ -84,19 +89,24 @@ class BlockPool:
             out.append(block)
         return out
 
-    def _top_hinted(self) -> KVBlock | None:
-        while self._heap:
-            _, seq, bid = self._heap[0]
+    def _top(self, heap: list[tuple[float, int, int]]) -> KVBlock | None:
+        while heap:
+            _, seq, bid = heap[0]
             block = self.blocks[bid]
             if bid in self._hinted and block.heap_seq == seq:
                 return block
-            heapq.heappop(self._heap)
+            heapq.heappop(heap)
         return None
 
     def _pop_victim(self) -> KVBlock:
         if self._free:
             return self._free.popitem(last=False)[1]
-        top = self._top_hinted()
+        # Expected next use: reuse_at ahead, 2·now − reuse_at once overdue; its largest value is
+        # at one of the two ends of the reuse_at order.
+        latest, most_overdue = self._top(self._heap), self._top(self._overdue)
+        top = latest
+        if most_overdue is not None and 2 * self.now - most_overdue.reuse_at > latest.reuse_at:
+            top = most_overdue
         if top is not None and (top.reuse_at == math.inf or not self._lru):
             del self._hinted[top.block_id]
             return top
@@ -135,9 +145,13 @@ class BlockPool:
                 block.reuse_at, block.heap_seq = reuse_at[i], self._seq
                 self._hinted[block.block_id] = block
                 heapq.heappush(self._heap, (-reuse_at[i], self._seq, block.block_id))
+                heapq.heappush(self._overdue, (reuse_at[i], self._seq, block.block_id))
         if len(self._heap) > 2 * len(self._hinted) + 64:
-            self._heap = [e for e in self._heap if e[2] in self._hinted and self.blocks[e[2]].heap_seq == e[1]]
+            live = [e for e in self._heap if e[2] in self._hinted and self.blocks[e[2]].heap_seq == e[1]]
+            self._heap = live
+            self._overdue = [(-k, seq, bid) for k, seq, bid in live]
             heapq.heapify(self._heap)
+            heapq.heapify(self._overdue)
 
     def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVBlock | None:
         block = self._cached.get(block_hash)

@@ -51,6 +51,12 @@ class KVCacheManager(SwapMixin):
         if self.host is not None and enable_prefix_caching:
             self.device.on_evict = self._back_up
 
+    def set_clock(self, now: float) -> None:
+        """The scheduler's time, for the eviction order of blocks kept for an expected resume."""
+        self.device.now = now
+        if self.host is not None:
+            self.host.now = now
+
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:

@@ -92,11 +92,13 @@ class PausedRequests:
     # ---- when a paused request is expected back ------------------------------------------
     def expected_resume_at(self, req: Request, now: float) -> float:
         """The predicted resume time: the known or predicted duration, else InferCept's dynamic
-        estimate (a pause expected to last as long again as it has lasted so far)."""
+        estimate (a pause expected to last as long again as it has lasted so far; once overdue,
+        as long again as it is overdue)."""
         it = req.interception
-        if it.expected_duration is not None:
-            return it.t_call + it.expected_duration
-        return now + (now - it.t_call)
+        if it.expected_duration is None:
+            return now + (now - it.t_call)
+        due = it.t_call + it.expected_duration
+        return due if due >= now else now + (now - due)  # overdue: it decays like any estimate
 
     def set_expected_resume(self, request_id: str, t: float) -> bool:
         """A client or predictor says when this paused request will be continued (absolute time;
@@ -173,7 +175,9 @@ class PausedRequests:
             return plan
         # The swap-out limit applies to budgeted policies; `swap` asks for everything and the
         # copies past the free limit stall the step (accounted as swap waste).
-        state = StepState(now, running_tokens, num_running, limit_blocks * bs, self.cost)
+        # Without host room, a swap decision would move nothing and leave the context held.
+        host_room = self.kv.host.num_free_blocks if self.kv.host is not None else 0
+        state = StepState(now, running_tokens, num_running, min(limit_blocks, host_room) * bs, self.cost)
         for rid, decision in self.policy.decide(views, state).items():
             req = self.paused[rid]
             req.interception.disposition = decision.disposition

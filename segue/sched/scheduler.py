@@ -137,6 +137,7 @@ class Scheduler:
         self.policy.on_step(now)
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self.kv.set_clock(now)
         self.kv.release_swapped_out()
         running_tokens = sum(r.num_computed_tokens for r in self.running)
         reserve = self.policy.reserved_blocks(now)
