@@ -64,7 +64,7 @@ def test_pause_resume_equals_uninterrupted_generation(tiny, policy):
 
 
 def test_dispositions_really_happen(tiny):
-    """Swap moves blocks both ways, discard recomputes, preserve holds memory idle (waste)."""
+    """Swap moves blocks out and (what the device cache lost) back in, discard recomputes, preserve holds memory idle (waste)."""
     path, _ = tiny
     seen = {}
     for policy in ("swap", "discard", "preserve"):
@@ -81,7 +81,8 @@ def test_dispositions_really_happen(tiny):
             engine.add_request(None, prompt, SamplingParams(temperature=0), script=script)
         run_to_completion(engine)
         seen[policy] = (copies, engine.waste.totals)
-    assert seen["swap"][0]["out"] > 0 and seen["swap"][0]["in"] == seen["swap"][0]["out"]
+    # Coming back, a block the device cache still holds is shared again instead of copied.
+    assert seen["swap"][0]["out"] > 0 and 0 < seen["swap"][0]["in"] <= seen["swap"][0]["out"]
     assert seen["discard"][1].recompute_gbs > 0 and seen["discard"][0]["out"] == 0
     assert seen["preserve"][1].preserved_idle_gbs > 0 and seen["preserve"][1].recompute_gbs == 0
 

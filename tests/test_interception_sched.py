@@ -29,7 +29,10 @@ class FakeKVExecutor:
         self.host: dict[int, list] = {}
 
     def execute(self, out) -> dict[str, int]:
-        # Swap-in first: a host block freed by a swap-in may be the target of this step's swap-out.
+        # Write-backs first (their device blocks are overwritten this step), then swap-ins, then
+        # swap-outs, as the real executor does.
+        for d, h in out.blocks_to_back_up:
+            self.host[h] = list(self.device.get(d, [None] * self.bs))
         for h, d in out.blocks_to_swap_in:
             self.device[d] = list(self.host[h])
         for d, h in out.blocks_to_swap_out:
@@ -66,7 +69,7 @@ def expected_output(prompt, max_tokens, pause_at) -> list[int]:
     return req.output_token_ids
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 10_000), policy=st.sampled_from(sorted(INTERCEPTION_POLICIES)),
        num_blocks=st.integers(12, 40), host_blocks=st.integers(0, 40), caching=st.booleans())
 def test_random_pauses_and_resumes_keep_kv_correct(seed, policy, num_blocks, host_blocks, caching):
@@ -80,8 +83,12 @@ def test_random_pauses_and_resumes_keep_kv_correct(seed, policy, num_blocks, hos
                       interception=make_interception_policy(policy), cost=cost)
     ex = FakeKVExecutor(bs)
     reqs, plans = [], {}
+    # Most requests share a system prompt, so dispositions meet blocks shared through the cache.
+    system = [rng.randrange(VOCAB) for _ in range(rng.choice([0, 4, 9, 12]))]
     for i in range(rng.randrange(1, 8)):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 10))]
+        if rng.random() < 0.7:
+            prompt = system + prompt
         max_tokens = rng.randrange(2, 8)
         pause_at = set(rng.sample(range(1, max_tokens), k=min(2, max_tokens - 1)))
         if len(prompt) + max_tokens + 6 > sched.max_model_len:
@@ -100,6 +107,8 @@ def test_random_pauses_and_resumes_keep_kv_correct(seed, policy, num_blocks, hos
         for item in [p for p in pending_resume if p[0] <= now]:
             pending_resume.remove(item)
             sched.resume_request(item[1], item[2], now)
+        if caching and rng.random() < 0.05:
+            kv.device.reset_prefix_cache()  # as if evicted: later hits must come from the host tier
         out = sched.schedule(now)
         sampled = ex.execute(out)
         got = sched.update_from_output(out, sampled)

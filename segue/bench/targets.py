@@ -118,7 +118,7 @@ class Runner:
     def make_sim(self, cfg: RunConfig) -> Any:
         from segue.config import CacheConfig, EngineConfig, SchedulerConfig
         from segue.sim.engine import make_sim_engine
-        from segue.sim.run import default_kv_cache_tokens
+        from segue.sim.engine import default_kv_cache_tokens
 
         a, cost = self.args, self.sim_cost()
         kv = a.sim_kv_cache_tokens or default_kv_cache_tokens(a.preset, cost.kv_bytes_per_token, a.block_size) \

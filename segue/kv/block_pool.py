@@ -1,12 +1,22 @@
 """A pool of fixed-size KV blocks with reference counts and a prefix cache.
 
-Free blocks live in one LRU-ordered dict: blocks that still carry a prefix-cache hash stay
-findable until they are reused, and the least recently freed block is reused first, so a hot
-prefix survives while cold ones make room.
+A free block that still carries a prefix-cache hash stays findable until it is reused (a hit
+revives it), so the order in which free blocks are reused is the cache's eviction order:
+
+1. blocks without a hash (nothing to lose);
+2. blocks released for a paused request that nobody is expected to continue (abandoned);
+3. blocks of finished or preempted requests, least recently freed first (plain LRU: their reuse
+   is speculative);
+4. blocks released for a paused request that is expected back, the furthest expected reuse first
+   (Continuum's TTL as a score). The caller lowers a block's key by what losing it would cost in
+   recompute (InferCept's waste), so a context's head outlives its tail.
 """
 from __future__ import annotations
 
+import heapq
+import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -22,6 +32,9 @@ class KVBlock:
     block_hash: int | None = None
     # The block's tokens, kept to reject hash collisions on lookup.
     token_ids: tuple[int, ...] | None = None
+    # While free: the expected time of its next use (None: no hint, plain LRU).
+    reuse_at: float | None = None
+    heap_seq: int = 0
 
 
 class BlockPool:
@@ -33,46 +46,112 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._lru: OrderedDict[int, KVBlock] = OrderedDict()
+        self._hinted: dict[int, KVBlock] = {}
+        # (-reuse_at, seq, block_id): the furthest expected reuse on top, and (reuse_at, seq,
+        # block_id): the most overdue on top; stale entries are skipped.
+        self._heap: list[tuple[float, int, int]] = []
+        self._overdue: list[tuple[float, int, int]] = []
+        # The clock, set each step: a block whose expected reuse has passed by x is expected x
+        # later still (InferCept's dynamic estimate), so a held turn nobody continues decays.
+        self.now = 0.0
+        self._seq = 0
         self._cached: dict[int, KVBlock] = {}
+        # Called with each cached block about to lose its hash to a reallocation (write-back).
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._lru) + len(self._hinted)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that a prefix hit could still revive."""
+        return len(self._lru) + len(self._hinted)
 
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
     def allocate(self, n: int) -> list[KVBlock]:
-        if n > len(self._free):
-            raise NoFreeBlocksError(f"{self.name} pool: asked for {n} blocks, {len(self._free)} free")
+        if n > self.num_free_blocks:
+            raise NoFreeBlocksError(f"{self.name} pool: asked for {n} blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
+            block = self._pop_victim()
+            if block.block_hash is not None and self.on_evict is not None:
+                self.on_evict(block)
             self._evict_hash(block)
             block.ref_cnt = 1
             out.append(block)
         return out
 
+    def _top(self, heap: list[tuple[float, int, int]]) -> KVBlock | None:
+        while heap:
+            _, seq, bid = heap[0]
+            block = self.blocks[bid]
+            if bid in self._hinted and block.heap_seq == seq:
+                return block
+            heapq.heappop(heap)
+        return None
+
+    def _pop_victim(self) -> KVBlock:
+        if self._free:
+            return self._free.popitem(last=False)[1]
+        # Expected next use: reuse_at ahead, 2·now − reuse_at once overdue; its largest value is
+        # at one of the two ends of the reuse_at order.
+        latest, most_overdue = self._top(self._heap), self._top(self._overdue)
+        top = latest
+        if most_overdue is not None and 2 * self.now - most_overdue.reuse_at > latest.reuse_at:
+            top = most_overdue
+        if top is not None and (top.reuse_at == math.inf or not self._lru):
+            del self._hinted[top.block_id]
+            return top
+        return self._lru.popitem(last=False)[1]
+
+    def _unfree(self, block: KVBlock) -> None:
+        bid = block.block_id
+        if self._free.pop(bid, None) is None and self._lru.pop(bid, None) is None:
+            del self._hinted[bid]
+
     def touch(self, blocks: list[KVBlock]) -> None:
         """Take a reference on cached blocks (a prefix hit); free ones leave the free list."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                self._unfree(block)
             block.ref_cnt += 1
 
-    def free(self, blocks: list[KVBlock]) -> None:
+    def free(self, blocks: list[KVBlock], reuse_at: list[float] | None = None) -> None:
         """Drop one reference each. Callers pass a table tail-first so that a sequence's last
-        blocks, the least likely to be shared, are the first to be reused."""
-        for block in blocks:
+        blocks, the least likely to be shared, are the first to be reused. `reuse_at` (one per
+        block) is the expected time of each block's next use, for blocks kept for a paused
+        request; without it, freed blocks are evicted least recently freed first."""
+        for i, block in enumerate(blocks):
             block.ref_cnt -= 1
             if block.ref_cnt < 0:
                 raise AssertionError(f"{self.name} block {block.block_id} freed twice")
-            if block.ref_cnt == 0:
+            if block.ref_cnt > 0:
+                continue
+            if block.block_hash is None:
                 self._free[block.block_id] = block
+            elif reuse_at is None:
+                block.reuse_at = None
+                self._lru[block.block_id] = block
+            else:
+                self._seq += 1
+                block.reuse_at, block.heap_seq = reuse_at[i], self._seq
+                self._hinted[block.block_id] = block
+                heapq.heappush(self._heap, (-reuse_at[i], self._seq, block.block_id))
+                heapq.heappush(self._overdue, (reuse_at[i], self._seq, block.block_id))
+        if len(self._heap) > 2 * len(self._hinted) + 64:
+            live = [e for e in self._heap if e[2] in self._hinted and self.blocks[e[2]].heap_seq == e[1]]
+            self._heap = live
+            self._overdue = [(-k, seq, bid) for k, seq, bid in live]
+            heapq.heapify(self._heap)
+            heapq.heapify(self._overdue)
 
     def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVBlock | None:
         block = self._cached.get(block_hash)
@@ -81,9 +160,10 @@ class BlockPool:
         return block
 
     def register(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
-        """Publish a full block in the prefix cache (first writer wins for a given hash)."""
+        """Publish a held, full block in the prefix cache (first writer wins for a given hash)."""
         if not self.enable_caching or block.block_hash is not None:
             return
+        assert block.ref_cnt > 0, f"{self.name} block {block.block_id}: only held blocks are published"
         if block_hash in self._cached:
             return
         block.block_hash = block_hash
@@ -99,18 +179,26 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):
+            if block.ref_cnt == 0:
+                self._unfree(block)
+                self._free[block.block_id] = block
             self._evict_hash(block)
 
     def check_invariants(self, expected_refs: dict[int, int]) -> None:
-        """expected_refs: block_id -> number of block tables holding it."""
+        """expected_refs: block_id -> number of references (block tables, copies in flight)."""
         for block in self.blocks:
-            want = expected_refs.get(block.block_id, 0)
+            bid = block.block_id
+            want = expected_refs.get(bid, 0)
             assert block.ref_cnt == want, (
-                f"{self.name} block {block.block_id}: ref_cnt {block.ref_cnt} but held by {want} tables")
-            assert (block.ref_cnt == 0) == (block.block_id in self._free), (
-                f"{self.name} block {block.block_id}: ref_cnt {block.ref_cnt} disagrees with the free list")
+                f"{self.name} block {bid}: ref_cnt {block.ref_cnt} but held by {want} tables")
+            places = (bid in self._free) + (bid in self._lru) + (bid in self._hinted)
+            assert places == (block.ref_cnt == 0), (
+                f"{self.name} block {bid}: ref_cnt {block.ref_cnt} disagrees with the free lists")
+            if bid in self._free:
+                assert block.block_hash is None, f"{self.name} block {bid}: a cached block among the hash-less"
+            if bid in self._lru or bid in self._hinted:
+                assert block.block_hash is not None, f"{self.name} block {bid}: a hash-less block among the cached"
             if block.block_hash is not None:
-                assert self._cached.get(block.block_hash) is block, f"{self.name} block {block.block_id}: stale hash"
+                assert self._cached.get(block.block_hash) is block, f"{self.name} block {bid}: stale hash"
         for h, block in self._cached.items():
             assert block.block_hash == h, f"{self.name} prefix cache entry {h} points at a re-hashed block"
-        assert len(self._free) + sum(1 for b in self.blocks if b.ref_cnt > 0) == self.num_blocks

@@ -1,9 +1,15 @@
-"""Per-request block tables over a device pool (with prefix caching) and a host pool for swapping."""
+"""Per-request block tables over a device pool and a host pool, both indexed by the prefix cache.
+
+The host pool is a second tier of the prefix cache (SGLang's HiCache, ANCHORS.md §1): a block
+copied out keeps its hash there, so any request whose prefix continues past its device hits into
+host-resident blocks loads them instead of recomputing them.
+"""
 from __future__ import annotations
 
 from collections import Counter
 
 from segue.kv.block_pool import BlockPool, KVBlock
+from segue.kv.swapping import SwapMixin
 from segue.request import Request
 
 
@@ -11,7 +17,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
+class KVCacheManager(SwapMixin):
     def __init__(self, block_size: int, num_device_blocks: int, num_host_blocks: int = 0,
                  enable_prefix_caching: bool = True, hash_salt: int = 0) -> None:
         if block_size < 1:
@@ -20,7 +26,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_salt = hash_salt
         self.device = BlockPool(num_device_blocks, enable_prefix_caching, "device")
-        self.host = BlockPool(num_host_blocks, False, "host") if num_host_blocks > 0 else None
+        self.host = BlockPool(num_host_blocks, enable_prefix_caching, "host") if num_host_blocks > 0 else None
+        # A request's context: device blocks for block indices [0, d), then host blocks for [d, n).
         self.tables: dict[str, list[KVBlock]] = {}
         self.host_tables: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request are already published in the prefix cache.
@@ -28,6 +35,27 @@ class KVCacheManager:
         # Device blocks being copied out during the current step: the copy overlaps the forward
         # pass, so they return to the pool only at the next step (release_swapped_out()).
         self._swapping_out: list[KVBlock] = []
+        # Host blocks being written this step: published in the host tier only once the copy is done.
+        self._host_pending: list[tuple[KVBlock, int, tuple[int, ...]]] = []
+        # Host blocks that this step's copies read (swap-ins) or write (swap-outs) and that their
+        # owner let go of: free only from the next step, so that no other copy of this step
+        # (write-backs run first, swap-outs last) lands on one out of order.
+        self._host_deferred: list[KVBlock] = []
+        self._host_writing: set[int] = set()
+        # Write-back (SGLang's write_back policy): a cached device block evicted while the step's
+        # swap budget has room is copied to the host tier instead of lost. The scheduler sets the
+        # budget each step and collects the copies (take_back_ups()).
+        self.back_up_budget = 0
+        self._back_ups: list[tuple[int, int]] = []
+        self._backed_up: list[KVBlock] = []
+        if self.host is not None and enable_prefix_caching:
+            self.device.on_evict = self._back_up
+
+    def set_clock(self, now: float) -> None:
+        """The scheduler's time, for the eviction order of blocks kept for an expected resume."""
+        self.device.now = now
+        if self.host is not None:
+            self.host.now = now
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -41,6 +69,23 @@ class KVCacheManager:
         total = request.num_computed_tokens + num_new_tokens
         return max(0, cdiv(total, self.block_size) - len(self.tables.get(request.request_id, ())))
 
+    def num_private_blocks_of(self, request_id: str) -> int:
+        """The tail of a request's device table that no other table shares: what swapping or
+        dropping it would free. References only grow toward the head (a prefix hit takes all
+        blocks before the one it shares), so the private blocks are a suffix."""
+        table = self.tables.get(request_id, ())
+        n = 0
+        while n < len(table) and table[len(table) - 1 - n].ref_cnt == 1:
+            n += 1
+        return n
+
+    def private_device_tokens(self, request: Request) -> int:
+        """Computed tokens held in the request's private device blocks."""
+        rid = request.request_id
+        d = self.num_device_blocks_of(rid)
+        on_device = max(0, min(d * self.block_size, request.num_computed_tokens))
+        return max(0, on_device - (d - self.num_private_blocks_of(rid)) * self.block_size)
+
     def _update_block_hashes(self, request: Request) -> None:
         bs = self.block_size
         hashes = request.block_hashes
@@ -49,22 +94,39 @@ class KVCacheManager:
             parent = hash((parent, tuple(request.tokens_slice(i * bs, (i + 1) * bs))))
             hashes.append(parent)
 
+    def _block_key(self, request: Request, i: int) -> tuple[int, tuple[int, ...]]:
+        bs = self.block_size
+        return request.block_hashes[i], tuple(request.tokens_slice(i * bs, (i + 1) * bs))
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Longest cached prefix of a request that holds no blocks yet, in whole blocks."""
-        if not self.enable_prefix_caching or request.request_id in self.tables:
+        """Longest device-cached prefix of a request that holds no blocks yet, in whole blocks."""
+        if not self.enable_prefix_caching or request.request_id in self.tables or request.request_id in self.host_tables:
             return [], 0
         self._update_block_hashes(request)
-        bs = self.block_size
         hits: list[KVBlock] = []
-        for i, h in enumerate(request.block_hashes):
-            block = self.device.lookup(h, tuple(request.tokens_slice(i * bs, (i + 1) * bs)))
+        for i in range(len(request.block_hashes)):
+            block = self.device.lookup(*self._block_key(request, i))
             if block is None:
                 break
             hits.append(block)
         # The last token must be computed to produce logits, so a full hit backs off one block.
-        if hits and len(hits) * bs >= request.num_tokens:
+        if hits and len(hits) * self.block_size >= request.num_tokens:
             hits.pop()
-        return hits, len(hits) * bs
+        return hits, len(hits) * self.block_size
+
+    def get_host_hits(self, request: Request, num_device_hits: int) -> list[KVBlock]:
+        """Host-tier blocks that continue a request's device hits (call after get_computed_blocks)."""
+        if self.host is None or not self.enable_prefix_caching:
+            return []
+        hits: list[KVBlock] = []
+        for i in range(num_device_hits, len(request.block_hashes)):
+            if (i + 1) * self.block_size >= request.num_tokens:
+                break  # the last token is always computed
+            block = self.host.lookup(*self._block_key(request, i))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -85,6 +147,19 @@ class KVCacheManager:
         self.tables[request.request_id] = table
         return True
 
+    def attach_host_hits(self, request: Request, device_hits: list[KVBlock], host_hits: list[KVBlock]) -> None:
+        """Take a request's device and host-tier hits as its context (device part first, host part
+        after it), to be swapped in like a resumed swapped-out request before it runs."""
+        assert host_hits and request.num_computed_tokens == 0
+        rid = request.request_id
+        self.device.touch(device_hits)
+        if device_hits:
+            self.tables[rid] = list(device_hits)
+        self.host.touch(host_hits)
+        self.host_tables[rid] = list(host_hits)
+        self._num_registered[rid] = len(device_hits)
+        request.num_computed_tokens = (len(device_hits) + len(host_hits)) * self.block_size
+
     def cache_full_blocks(self, request: Request) -> None:
         """Publish the blocks whose every token is now computed (call after num_computed advances)."""
         if not self.enable_prefix_caching:
@@ -97,10 +172,8 @@ class KVCacheManager:
         if n_full <= start:
             return
         self._update_block_hashes(request)
-        bs = self.block_size
         for i in range(start, n_full):
-            self.device.register(table[i], request.block_hashes[i],
-                                 tuple(request.tokens_slice(i * bs, (i + 1) * bs)))
+            self.device.register(table[i], *self._block_key(request, i))
         self._num_registered[request.request_id] = n_full
 
     def free(self, request: Request) -> None:
@@ -109,84 +182,49 @@ class KVCacheManager:
         if table:
             self.device.free(list(reversed(table)))
         host_table = self.host_tables.pop(rid, None)
-        if host_table and self.host is not None:
-            self.host.free(host_table)
+        if host_table:
+            self._free_host(list(reversed(host_table)))
         self._num_registered.pop(rid, None)
 
-    # ---- swapping and discarding ---------------------------------------------------------
-    # A request's context is split as host blocks for block indices [0, k) and device blocks for
-    # [k, n). Swap-out moves the front device block to the end of the host part; swap-in moves
-    # the last host block to the front of the device part. Either can stop after any block, so
-    # a context moves in budgeted chunks across steps, and discarding the device part leaves a
-    # prefix on the host that swap-in restores before recompute continues after it.
-    def num_device_blocks_of(self, request_id: str) -> int:
-        return len(self.tables.get(request_id, ()))
-
-    def num_host_blocks_of(self, request_id: str) -> int:
-        return len(self.host_tables.get(request_id, ()))
-
-    def swap_out_blocks(self, request: Request, max_blocks: int) -> list[tuple[int, int]]:
-        """Move up to max_blocks of the request's device blocks to the host; (device, host) copies."""
-        if self.host is None or max_blocks <= 0:
-            return []
+    def release(self, request: Request, reuse_at: float | None = None, block_recompute_s: float = 0.0) -> None:
+        """Give up a paused request's context without destroying it: its published blocks stay in
+        the device and host caches, evictable, and a prefix hit on resume revives what is still
+        there. The request restarts from token 0. Eviction key of block i of n: `reuse_at` (its
+        expected resume; None: plain LRU) lowered by (n - i) * `block_recompute_s`, the recompute
+        that losing it costs (it and everything after it), so a context's head outlives its tail."""
         rid = request.request_id
-        table = self.tables.get(rid, [])
-        n = min(max_blocks, len(table), self.host.num_free_blocks)
-        if n == 0:
-            return []
-        moving, self.tables[rid] = table[:n], table[n:]
-        host_blocks = self.host.allocate(n)
-        self.host_tables.setdefault(rid, []).extend(host_blocks)
-        self._swapping_out.extend(reversed(moving))
+        for free, table in ((self.device.free, self.tables.pop(rid, None)),
+                            (self._free_host, self.host_tables.pop(rid, None))):
+            if not table:
+                continue
+            keys = None
+            if reuse_at is not None:
+                n = len(table)
+                keys = [reuse_at - (n - i) * block_recompute_s for i in range(n)]
+                keys.reverse()
+            free(list(reversed(table)), keys)
         self._num_registered.pop(rid, None)
-        return [(d.block_id, h.block_id) for d, h in zip(moving, host_blocks)]
-
-    def release_swapped_out(self) -> None:
-        """The previous step's copies are done: their source blocks may be reused."""
-        if self._swapping_out:
-            self.device.free(self._swapping_out)
-            self._swapping_out = []
-
-    def swap_in_blocks(self, request: Request, max_blocks: int) -> list[tuple[int, int]]:
-        """Bring up to max_blocks host blocks back to the device; (host, device) copies."""
-        rid = request.request_id
-        host_table = self.host_tables.get(rid, [])
-        n = min(max_blocks, len(host_table), self.device.num_free_blocks)
-        if n <= 0 or self.host is None:
-            return []
-        moving = host_table[len(host_table) - n:]
-        del host_table[len(host_table) - n:]
-        if not host_table:
-            del self.host_tables[rid]
-        device_blocks = self.device.allocate(n)
-        self.tables[rid] = device_blocks + self.tables.get(rid, [])
-        self.host.free(moving)
-        return [(h.block_id, d.block_id) for h, d in zip(moving, device_blocks)]
-
-    def discard_device_blocks(self, request: Request) -> None:
-        """Free the device part of a paused context; a host prefix, if any, is kept."""
-        table = self.tables.pop(request.request_id, None)
-        if table:
-            self.device.free(list(reversed(table)))
-        self._num_registered.pop(request.request_id, None)
-        request.num_computed_tokens = min(request.num_computed_tokens,
-                                          self.num_host_blocks_of(request.request_id) * self.block_size)
+        request.num_computed_tokens = 0
 
     # ---- checks --------------------------------------------------------------------------
     def check_invariants(self) -> None:
         refs = Counter(b.block_id for table in self.tables.values() for b in table)
         refs.update(b.block_id for b in self._swapping_out)
-        for rid in self.host_tables:
-            assert self.host_tables[rid], f"request {rid} has an empty host table"
+        for rid, table in self.host_tables.items():
+            assert table, f"request {rid} has an empty host table"
+            assert len({b.block_id for b in table}) == len(table), f"request {rid} holds a host block twice"
         for rid, table in self.tables.items():
+            assert table, f"request {rid} has an empty device table"
             assert len({b.block_id for b in table}) == len(table), f"request {rid} holds a block twice"
         self.device.check_invariants(refs)
         if self.host is not None:
             host_refs = Counter(b.block_id for t in self.host_tables.values() for b in t)
-            assert all(v == 1 for v in host_refs.values()), "a host block is owned by two requests"
+            host_refs.update(b.block_id for b in self._host_deferred + self._backed_up)
             self.host.check_invariants(host_refs)
+            pending = [b.block_id for b, _, _ in self._host_pending]
+            assert len(set(pending)) == len(pending), "a host block is written twice in one step"
         else:
-            assert not self.host_tables
+            assert not self.host_tables and not self._host_pending and not self._back_ups
 
     def num_held_blocks(self) -> int:
         return sum(len(t) for t in self.tables.values())

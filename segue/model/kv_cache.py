@@ -52,6 +52,16 @@ class KVCache:
                 staged = staged.to("cpu", non_blocking=True)
             host.index_copy_(2, dst, staged)
 
+    def back_up(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks now, before anything else in the step (write-back of
+        evicted prefix-cache blocks): the device blocks are overwritten later in the same step."""
+        if not mapping:
+            return
+        src = torch.tensor([d for d, _ in mapping], device=self.k.device)
+        dst = torch.tensor([h for _, h in mapping])
+        for cache, host in ((self.k, self.host_k), (self.v, self.host_v)):
+            host.index_copy_(2, dst, cache.index_select(2, src).to("cpu"))
+
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         """Copy host blocks back to device blocks: mapping is [(host_id, device_id)]."""
         if not mapping:

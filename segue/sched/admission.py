@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from segue.kv.block_pool import KVBlock
 from segue.request import Request, RequestStatus
 from segue.sched.output import SchedulerOutput
-from segue.sched.preemption import Room, holders_below, make_room
+from segue.sched.preemption import Room, holders_below, make_room, swap_budget_blocks
 from segue.sched.state import SchedulerState
 
 
@@ -91,6 +91,8 @@ def admit_waiting(sched: SchedulerState, out: SchedulerOutput, budget: int,
         hits, num_hit = ([], 0)
         if req.num_computed_tokens == 0:
             hits, num_hit = sched.kv.get_computed_blocks(req)
+            if blocked is None and _load_host_hits(sched, req, hits, out):
+                continue
         num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
         if decode_room > 0 and not decode:
             num_new = min(num_new, budget - decode_room)
@@ -104,7 +106,7 @@ def admit_waiting(sched: SchedulerState, out: SchedulerOutput, budget: int,
                 # What to free for it: its blocks less its cached hits. Not the watermark: discarding
                 # paused contexts to keep headroom defeats the headroom (measured: more recompute).
                 need = sched.kv.num_blocks_needed(req, num_new) - len(hits)
-                freed = sched.paused.release_for_memory(need)
+                freed = sched.paused.release_for_memory(need, sched.now)
                 blocked = _Blocked(req, num_new, hits, need)
                 if preemptive and sched.kv.num_free_blocks < need:
                     blocked.swapping = make_room(sched, req, need, out) is Room.IN_FLIGHT
@@ -170,7 +172,7 @@ def room_for_holder(sched: SchedulerState, holder: Request, num_new: int, out: S
     (simulator, MLFQ at 5 req/s on the InferCept trace: 1-2 running requests, 20 tokens a step,
     0.3 requests finished per second). True when the blocks are free now."""
     need = sched.kv.num_blocks_needed(holder, num_new)
-    sched.paused.release_for_memory(need)
+    sched.paused.release_for_memory(need, sched.now)
     if sched.kv.num_free_blocks >= need:
         return True
     if make_room(sched, holder, need, out) is Room.IN_FLIGHT:
@@ -210,7 +212,12 @@ def release_waiting_kv(sched: SchedulerState, head: Request, need_blocks: int) -
         if req is head or not sched.kv.num_device_blocks_of(req.request_id):
             continue
         if req.status == RequestStatus.SWAPPED:
-            sched.kv.discard_device_blocks(req)
+            # Its host part continues its device part, so both go (into the caches, where its
+            # next admission finds what is still there) and it queues again from the start.
+            sched.kv.release(req)
+            sched.paused.swapped.remove(req)
+            req.status = RequestStatus.WAITING
+            sched.waiting.append(req)
             req.num_preemptions += 1
             sched.num_preemptions_total += 1
         else:
@@ -219,6 +226,29 @@ def release_waiting_kv(sched: SchedulerState, head: Request, need_blocks: int) -
         if sched.kv.num_free_blocks >= need_blocks:
             break
     return freed
+
+
+def _load_host_hits(sched: SchedulerState, req: Request, device_hits: list[KVBlock], out: SchedulerOutput) -> bool:
+    """A request whose prefix goes on past its device hits into the host tier takes those
+    host blocks and swaps them in like a resumed swapped-out request (the first chunk now,
+    the rest within later steps' swap limits, before it runs) instead of recomputing them.
+    Only when this step can start the copy: a step that only queued it would look idle.
+    True if it did."""
+    host_hits = sched.kv.get_host_hits(req, len(device_hits))
+    if not host_hits:
+        return False
+    budget = swap_budget_blocks(sched, out)
+    free = sched.kv.num_free_blocks - sum(1 for b in device_hits if b.ref_cnt == 0)
+    if budget <= 0 or free <= 0:
+        return False
+    sched.kv.attach_host_hits(req, device_hits, host_hits)
+    if req.num_cached_tokens < 0:
+        req.num_cached_tokens = req.num_computed_tokens
+        sched.prefix_hit_tokens += req.num_computed_tokens
+        sched.prefix_query_tokens += req.num_prompt_tokens
+    sched.waiting.remove(req)
+    out.blocks_to_swap_in += sched.paused.begin_swap_in(req, budget)
+    return True
 
 
 def _admit(sched: SchedulerState, req: Request, num_new: int, num_hit: int,

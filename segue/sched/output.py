@@ -29,6 +29,9 @@ class SchedulerOutput:
     # stay reserved until the next step, so the copies may overlap the forward pass.
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    # Write-back of cached device blocks evicted this step into the host tier (device, host):
+    # copied before everything else, since this step's swap-ins or forward pass overwrite them.
+    blocks_to_back_up: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -37,4 +40,4 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and not self.blocks_to_swap_in and not self.blocks_to_swap_out
+        return not (self.seqs or self.blocks_to_swap_in or self.blocks_to_swap_out or self.blocks_to_back_up)

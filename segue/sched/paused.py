@@ -2,6 +2,7 @@
 and resumption (InferCept §4). Owned by the Scheduler; pure Python."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from segue.kv.manager import KVCacheManager
@@ -45,12 +46,27 @@ class PausedRequests:
         if not self.policy.keeps_arrival_time:
             req.sched_arrival_time = now
         if self.kv.num_host_blocks_of(req.request_id):
-            req.status = RequestStatus.SWAPPED
-            self.swapped.append(req)
-            self.swapped.sort(key=lambda r: (r.sched_arrival_time, r.seq_no))
+            self.enqueue_swapped(req)
             return False
         req.status = RequestStatus.WAITING
         return True
+
+    def enqueue_swapped(self, req: Request) -> None:
+        """Queue a request with part of its context on the host for swap-in."""
+        req.status = RequestStatus.SWAPPED
+        self.swapped.append(req)
+        self.swapped.sort(key=lambda r: (r.sched_arrival_time, r.seq_no))
+
+    def begin_swap_in(self, req: Request, max_blocks: int) -> list[tuple[int, int]]:
+        """Start bringing a request's host part in within this step (a host-tier hit at
+        admission); the rest follows in later steps' swap-ins. Returns this step's copies."""
+        copies = self.kv.swap_in_blocks(req, max_blocks)
+        if self.kv.num_host_blocks_of(req.request_id):
+            self.enqueue_swapped(req)
+        else:
+            req.status = RequestStatus.SWAPPED
+            self._landing.append(req)
+        return copies
 
     @property
     def landing(self) -> list[Request]:
@@ -64,12 +80,60 @@ class PausedRequests:
             self._landing.remove(req)
 
     def device_tokens(self, req: Request) -> int:
-        held = self.kv.num_device_blocks_of(req.request_id) * self.kv.block_size
-        host = self.kv.num_host_blocks_of(req.request_id) * self.kv.block_size
-        return max(0, min(held, req.num_computed_tokens - host))
+        """The context tokens a disposition can act on: those in blocks the request holds alone.
+        Blocks shared through the prefix cache (a common system prompt) stay on the device for
+        the requests that share them, whatever happens to this one."""
+        return self.kv.private_device_tokens(req)
 
     def held_device_blocks(self) -> int:
-        return sum(self.kv.num_device_blocks_of(rid) for rid in self.paused)
+        """Device blocks held by paused requests alone (memory that produces no token)."""
+        return sum(self.kv.num_private_blocks_of(rid) for rid in self.paused)
+
+    # ---- when a paused request is expected back ------------------------------------------
+    def expected_resume_at(self, req: Request, now: float) -> float:
+        """The predicted resume time: the known or predicted duration, else InferCept's dynamic
+        estimate (a pause expected to last as long again as it has lasted so far; once overdue,
+        as long again as it is overdue)."""
+        it = req.interception
+        if it.expected_duration is None:
+            return now + (now - it.t_call)
+        due = it.t_call + it.expected_duration
+        return due if due >= now else now + (now - due)  # overdue: it decays like any estimate
+
+    def set_expected_resume(self, request_id: str, t: float) -> bool:
+        """A client or predictor says when this paused request will be continued (absolute time;
+        math.inf: never). Feeds the policies' duration estimate and the eviction order of its
+        blocks once released. False if the request is not paused."""
+        req = self.paused.get(request_id)
+        if req is None:
+            return False
+        req.interception.expected_duration = max(0.0, t - req.interception.t_call)
+        return True
+
+    def abandon(self, request_id: str) -> bool:
+        """Nobody is expected to continue this paused request (say, the last turn of a session
+        whose client went away): release its context now, first in line for eviction. It stays
+        resumable; a resume recomputes only what was evicted meanwhile."""
+        req = self.paused.get(request_id)
+        if req is None:
+            return False
+        req.interception.expected_duration = math.inf
+        self.release(req, reuse_at=math.inf)
+        return True
+
+    def release(self, req: Request, reuse_at: float | None = None) -> None:
+        """Discard as release: the blocks return to the prefix cache, kept in order of expected
+        reuse, and a resume revives those still there (see KVCacheManager.release). `reuse_at`
+        defaults to the known or predicted resume time. Without one, the blocks join the cache's
+        least-recently-released order, which is the dynamic estimate's order: a pause that began
+        earlier is expected to last longer (t_call + 2·elapsed), so it is evicted first; a key
+        fixed at release time would evict the newest pause first instead (simulator, 32 agents
+        sharing a system prompt, discard policy: 1.64 vs 0.38 GB*s of recompute)."""
+        it = req.interception
+        if reuse_at is None and it.expected_duration is not None:
+            reuse_at = it.t_call + it.expected_duration
+        self.kv.release(req, reuse_at, self.cost.t_fwd_extra(self.kv.block_size))
+        req.interception.disposition = Disposition.DISCARD
 
     def plan(self, now: float, running_tokens: int, num_running: int, batch_tokens: int,
              keep_free_blocks: int = 0) -> SwapPlan:
@@ -84,13 +148,15 @@ class PausedRequests:
             room = self.kv.num_free_blocks - keep_free_blocks
             if keep_free_blocks and room < self.kv.num_host_blocks_of(req.request_id):
                 break  # a part brought in now would only be swapped out again to keep the floor
-            moved = self.kv.swap_in_blocks(req, min(limit_blocks, room))
-            plan.swap_in += moved
-            limit_blocks -= len(moved)
+            before = self.kv.num_host_blocks_of(req.request_id)
+            copies = self.kv.swap_in_blocks(req, min(limit_blocks, room))
+            plan.swap_in += copies
+            limit_blocks -= len(copies)
             if not self.kv.num_host_blocks_of(req.request_id):
                 self.swapped.remove(req)
-                self._landing.append(req)
-            elif not moved:
+                # Blocks the device cache still held came back without a copy: nothing to wait for.
+                (self._landing if copies else plan.ready).append(req)
+            elif self.kv.num_host_blocks_of(req.request_id) == before:
                 break  # no free device blocks: later requests would not fit either
         if not self.policy.acts_on_paused:
             return plan
@@ -98,8 +164,10 @@ class PausedRequests:
         tables = self.kv.tables
         for rid, req in self.paused.items():
             if not tables.get(rid):
-                continue  # nothing left on the device to decide about
+                continue
             dev = self.device_tokens(req)
+            if dev <= 0:
+                continue  # nothing of its own left on the device to decide about
             elapsed = now - req.interception.t_call
             views.append(PausedRequest(req, dev, self.kv.num_host_blocks_of(req.request_id) * bs,
                                        elapsed, req.interception.expected_duration))
@@ -107,29 +175,32 @@ class PausedRequests:
             return plan
         # The swap-out limit applies to budgeted policies; `swap` asks for everything and the
         # copies past the free limit stall the step (accounted as swap waste).
-        state = StepState(now, running_tokens, num_running, limit_blocks * bs, self.cost)
+        # Without host room, a swap decision would move nothing and leave the context held.
+        host_room = self.kv.host.num_free_blocks if self.kv.host is not None else 0
+        state = StepState(now, running_tokens, num_running, min(limit_blocks, host_room) * bs, self.cost)
         for rid, decision in self.policy.decide(views, state).items():
             req = self.paused[rid]
             req.interception.disposition = decision.disposition
             if decision.disposition is Disposition.SWAP and decision.swap_out_tokens > 0:
                 plan.swap_out += self.kv.swap_out_blocks(req, -(-decision.swap_out_tokens // bs))
             elif decision.disposition is Disposition.DISCARD:
-                self.kv.discard_device_blocks(req)
+                self.release(req)
         return plan
 
-    def release_for_memory(self, blocks_needed: int) -> int:
-        """Under memory pressure, discard preserved contexts (largest first) before preempting
-        running requests: a paused request makes no progress with its memory. Returns blocks freed."""
+    def release_for_memory(self, blocks_needed: int, now: float) -> int:
+        """Under memory pressure, release preserved contexts before preempting running requests:
+        a paused request makes no progress with its memory. The latest expected back go first,
+        then the largest; only requests that hold private blocks free anything. Returns blocks
+        freed."""
         freed = 0
-        victims = sorted(self.paused.values(), key=lambda r: self.kv.num_device_blocks_of(r.request_id),
-                         reverse=True)
-        for req in victims:
+        victims = [(self.expected_resume_at(r, now), self.kv.num_private_blocks_of(rid), r)
+                   for rid, r in self.paused.items()]
+        victims.sort(key=lambda v: (v[0], v[1]), reverse=True)
+        for _, n, req in victims:
             if freed >= blocks_needed:
                 break
-            n = self.kv.num_device_blocks_of(req.request_id)
             if n:
                 before = self.kv.num_free_blocks
-                self.kv.discard_device_blocks(req)
-                req.interception.disposition = Disposition.DISCARD
+                self.release(req)
                 freed += self.kv.num_free_blocks - before
         return freed

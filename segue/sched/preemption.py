@@ -34,16 +34,17 @@ def make_room(sched: SchedulerState, head: Request, need: int, out: SchedulerOut
     budget = swap_budget_blocks(sched, out)
     chosen, room = [], 0
     for victim in sched.policy.preemption_order(holders, sched.now):
-        blocks = sched.kv.num_device_blocks_of(victim.request_id)
+        # Only blocks it holds alone: a shared prefix stays for the requests that share it.
+        blocks = sched.kv.num_private_blocks_of(victim.request_id)
         if room >= deficit:
             break
-        if room + blocks <= min(host.num_free_blocks, budget):
+        if blocks and room + blocks <= min(host.num_free_blocks, budget):
             chosen.append(victim)
             room += blocks
     if not chosen:
         return Room.NONE
     for victim in chosen:
-        swap_out(sched, victim, sched.kv.num_device_blocks_of(victim.request_id), out)
+        swap_out(sched, victim, sched.kv.num_private_blocks_of(victim.request_id), out)
     sched.earmarked_blocks += need
     return Room.IN_FLIGHT
 
@@ -103,7 +104,7 @@ def keep_reserve(sched: SchedulerState, out: SchedulerOutput, reserve: int, now:
             room_for_it = 0  # the rest rank above it: they only give way to the reserve
         if deficit + room_for_it <= 0 or budget <= 0:
             break
-        blocks = sched.kv.num_device_blocks_of(req.request_id)
+        blocks = sched.kv.num_private_blocks_of(req.request_id)
         host_free = sched.kv.host.num_free_blocks
         if not blocks or blocks > budget or blocks > host_free:
             continue  # whole requests only, and only what hides behind this step's compute

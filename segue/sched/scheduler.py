@@ -68,6 +68,16 @@ class Scheduler(SchedulerState):
             self.waiting.append(request)
         self.policy.on_resumed(request, now)
 
+    def set_expected_resume(self, request_id: str, t: float) -> bool:
+        """When a paused request is expected to be continued (absolute clock time; math.inf:
+        never). False if it is not paused."""
+        return self.paused.set_expected_resume(request_id, t)
+
+    def abandon(self, request_id: str) -> bool:
+        """Nobody is expected to continue this paused request: its device memory goes back to
+        the pool now (its blocks stay in the prefix cache, evicted first). False if not paused."""
+        return self.paused.abandon(request_id)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -87,6 +97,7 @@ class Scheduler(SchedulerState):
         self.policy.on_step(now)
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self.kv.set_clock(now)
         self.kv.release_swapped_out()
         running_tokens = sum(r.num_computed_tokens for r in self.running)
         reserve = self.policy.reserved_blocks(now)
@@ -99,6 +110,10 @@ class Scheduler(SchedulerState):
         plan = self.paused.plan(now, running_tokens, len(self.running), self.last_batch_tokens,
                                 keep_free_blocks=keep_free)
         out.blocks_to_swap_out, out.blocks_to_swap_in = plan.swap_out, plan.swap_in
+        # What the link can still copy behind this step's compute goes to write-backs of evicted
+        # cached blocks into the host tier.
+        self.kv.back_up_budget = max(0, self.cost.swap_limit(self.last_batch_tokens) // self.kv.block_size
+                                     - len(plan.swap_in) - len(plan.swap_out))
         for req in plan.ready:
             req.status = RequestStatus.WAITING
             self.waiting.append(req)
@@ -118,7 +133,7 @@ class Scheduler(SchedulerState):
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
-                if self.paused.release_for_memory(self.kv.num_blocks_needed(req, num_new)):
+                if self.paused.release_for_memory(self.kv.num_blocks_needed(req, num_new), now):
                     continue
                 # Only requests not yet scheduled this step may give way (the current one included).
                 victim = self.policy.preemption_order(self.running[i:], now)[0]
@@ -147,6 +162,7 @@ class Scheduler(SchedulerState):
             self.policy.on_scheduled(req, num_new, now)
         if reserve > 0:
             keep_reserve(self, out, reserve, now)
+        out.blocks_to_back_up = self.kv.take_back_ups()
         return out
 
     def _rejoin_resident(self) -> None:
@@ -243,3 +259,8 @@ class Scheduler(SchedulerState):
             assert req.status == RequestStatus.INTERCEPTED and req.interception is not None
         for req in self.paused.swapped:
             assert req.status == RequestStatus.SWAPPED and req.request_id in self.kv.host_tables
+        for rid in self.kv.host_tables:
+            req = self.requests[rid]
+            assert req.status in (RequestStatus.INTERCEPTED, RequestStatus.SWAPPED), f"{rid}: host KV while {req.status}"
+            held = self.kv.num_device_blocks_of(rid) + self.kv.num_host_blocks_of(rid)
+            assert held * self.kv.block_size >= req.num_computed_tokens, f"{rid}: KV lost between the tiers"

@@ -42,12 +42,17 @@ def create_app(engine: AsyncLLMEngine, api_keys: list[str] | None = None, shutdo
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        period = min(MAX_SWEEP_PERIOD_S, config.session_ttl_s / 10)
+        period = min(MAX_SWEEP_PERIOD_S, config.session_ttl_s / 10,
+                     config.auto_continue_ttl_s / 10 if config.auto_continue else MAX_SWEEP_PERIOD_S)
         sweeper = asyncio.create_task(ctx.sessions.run_expiry(period))
+        auto = (asyncio.create_task(ctx.auto.run(min(1.0, config.auto_continue_release_s / 4)))
+                if ctx.auto is not None else None)
         try:
             yield
         finally:
             sweeper.cancel()
+            if auto is not None:
+                auto.cancel()
             # Held sessions pin engine requests; release them before (or without) stopping the engine.
             ctx.sessions.close_all()
             await ctx.runner.aclose()

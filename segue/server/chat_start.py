@@ -28,6 +28,7 @@ from segue.outputs import RequestOutput
 from segue.program.registry import scoped_program_id
 from segue.sampling_params import InvalidRequestError
 from segue.server.auth import cache_salt
+from segue.server.auto_continue import auto_eligible
 from segue.server.chat_tools import SteeredParser, ToolSetup
 from segue.server.context import ServingContext
 from segue.server.limits import Deadline
@@ -100,8 +101,10 @@ async def start_fresh(ctx: ServingContext, request: Request, body: ChatCompletio
     params = body.to_sampling_params(len(prompt_ids), ctx.max_model_len, ctx.generation_defaults)
     params.structured = setup.constraint or params.structured
     params.seed = choice_seed(params.seed, choice)
-    # Only a session can continue a paused turn; elsewhere nobody would ever resume it.
-    params.pause_on_stop = params.pause_on_length = session is not None or bool(body.open_session)
+    # Only a session (or, with auto-continuation, a plain client's next request) can continue a
+    # paused turn; elsewhere nobody would ever resume it.
+    params.pause_on_stop = params.pause_on_length = (session is not None or bool(body.open_session)
+                                                     or (choice == 0 and auto_eligible(ctx, body)))
     parser = SteeredParser(setup.forced_prefix) if setup.enabled else None
     rid = random_id("chatcmpl")
     hints = {**body.engine_hints(tenant), **ctx.generate_hints(cache_salt(tenant))}

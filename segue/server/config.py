@@ -42,6 +42,13 @@ class ServerConfig:
     # "per_key": tenants (API keys) never share prefix-cache blocks, so one cannot time another's
     # prompts; "shared": everyone shares (better hit rate, fine for a single tenant).
     prefix_cache_isolation: str = "per_key"
+    # Plain clients (no session fields) get their held turn continued when their next request
+    # extends it (auto_continue.py). A held turn nobody continued is released to the prefix cache
+    # (still continuable, minus what gets evicted) after auto_continue_release_s idle, and
+    # dropped after auto_continue_ttl_s.
+    auto_continue: bool = False
+    auto_continue_release_s: float = 10.0
+    auto_continue_ttl_s: float = 60.0
 
     def validate(self) -> "ServerConfig":
         def positive(name: str) -> None:
@@ -50,8 +57,10 @@ class ServerConfig:
                 raise ServerConfigError(f"{name} must be a positive number, got {value!r}")
 
         for name in ("max_concurrent_requests", "request_timeout_s", "max_body_bytes", "session_ttl_s",
-                     "max_sessions", "max_tool_rounds"):
+                     "max_sessions", "max_tool_rounds", "auto_continue_release_s", "auto_continue_ttl_s"):
             positive(name)
+        if not isinstance(self.auto_continue, bool):
+            raise ServerConfigError(f"auto_continue must be true or false, got {self.auto_continue!r}")
         if self.prefix_cache_isolation not in ("per_key", "shared"):
             raise ServerConfigError(f"prefix_cache_isolation must be 'per_key' or 'shared', "
                                     f"got {self.prefix_cache_isolation!r}")

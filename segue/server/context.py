@@ -11,6 +11,7 @@ from fastapi import Request
 
 from segue.async_engine import AsyncLLMEngine
 from segue.generation_defaults import generation_defaults
+from segue.server.auto_continue import AutoContinuation
 from segue.server.config import ServerConfig
 from segue.server.errors import APIError
 from segue.server.limits import ConcurrencyLimiter
@@ -46,6 +47,8 @@ class ServingContext:
         self.renderer = ChatRenderer(llm.apply_chat_template, llm.chat_template)
         self.sessions = SessionStore(self.engine.abort, self.config.session_ttl_s, self.config.max_sessions,
                                      forget_program=self.engine.forget_program)
+        self.auto = (AutoContinuation(self.sessions, self.engine, self.config.auto_continue_release_s,
+                                      self.config.auto_continue_ttl_s) if self.config.auto_continue else None)
         self.limiter = ConcurrencyLimiter(self.config.max_concurrent_requests)
         self.metrics = ServerMetrics(self)
         # Per-tenant prefix-cache salts need the engine's per-request hook (see README); until it

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse
 
 from segue.server import responses as r
 from segue.server.auth import tenant_of
+from segue.server.auto_continue import auto_eligible
 from segue.server.chat_start import ClientGone, start_choices
 from segue.server.chat_tools import resolve_tools
 from segue.server.context import ServingContext, serving
@@ -50,6 +51,11 @@ class TurnBookkeeping:
     def __init__(self, ctx: ServingContext, body: ChatCompletionRequest, slot: Slot, session: Session | None,
                  tenant: str | None, start: float) -> None:
         self.ctx, self.body, self.slot, self.session, self.tenant, self.start = ctx, body, slot, session, tenant, start
+        # Set by the route: the request's tools, whether any is the client's, and whether a held
+        # end of this turn is indexed for a plain client's next request (auto_continue.py).
+        self.tools: list | None = None
+        self.client_tools = False
+        self.auto = False
         # One per choice.
         self.turns: list[ChatTurn] = []
         self.closed = False
@@ -60,14 +66,18 @@ class TurnBookkeeping:
         if end.held is None and self.session is None and not self.body.open_session:
             return None
         if self.session is None:
-            self.session = sessions.create(self.tenant)
+            # A plain turn's hold is the server's business: an implicit session, id never shown.
+            implicit = self.auto and self.ctx.auto is not None and not self.client_tools
+            self.session = self.ctx.auto.open(self.tenant) if implicit else sessions.create(self.tenant)
         # The assistant message exactly as the client got it, which is what it will send back.
         calls = [ToolCallIn.model_validate(c.model_dump()) for c in _tool_calls_out(end.tool_calls)]
         answer = ChatMessage(role="assistant", content=content, tool_calls=calls or None)
         self.session.transcript = [normalize(m) for m in self.body.messages] + [normalize(answer)]
         if end.held is not None:
             sessions.hold(self.session, end.held)
-        return self.session.session_id
+        if self.auto and self.ctx.auto is not None and self.session.held is not None:
+            self.ctx.auto.remember(self.session, self.tools)
+        return None if self.session.implicit else self.session.session_id
 
     async def close(self) -> None:
         if self.closed:
@@ -116,6 +126,9 @@ async def chat_completions(request: Request) -> Response:
             book.session = ctx.sessions.checkout(body.session_id, tenant)
         elif setup.client_names or body.open_session:
             ctx.sessions.check_capacity()
+        book.tools, book.client_tools, book.auto = setup.tools, bool(setup.client_names), auto_eligible(ctx, body)
+        if book.session is None and book.auto and ctx.auto is not None:
+            book.session = ctx.auto.checkout(tenant, setup.tools, [normalize(m) for m in body.messages])
         deadline = Deadline(ctx.config.request_timeout_s)
         book.turns = await start_choices(ctx, request, body, setup, book.session, tenant, deadline)
     except ClientGone:

@@ -70,6 +70,10 @@ class Session:
     active_request_id: str | None = None
     busy: bool = False
     closed: bool = False
+    # Opened by the server for a plain client's held turn (auto_continue.py), not by the client:
+    # its id is never shown, it expires after its own short TTL and gives way at capacity.
+    implicit: bool = False
+    ttl_s: float | None = None
 
 
 class SessionStore:
@@ -84,6 +88,8 @@ class SessionStore:
         self.max_sessions = max_sessions
         self.clock = clock
         self._sessions: dict[str, Session] = {}
+        # Called with every session that goes away (auto_continue.py drops it from its index).
+        self.on_release: list[Callable[[Session], None]] = []
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -96,13 +102,16 @@ class SessionStore:
         if len(self._sessions) >= self.max_sessions:
             self.expire()
         if len(self._sessions) >= self.max_sessions:
+            self.drop_implicit(len(self._sessions) - self.max_sessions + 1)
+        if len(self._sessions) >= self.max_sessions:
             raise APIError(429, f"too many open sessions ({self.max_sessions}); close some "
                                 "(DELETE /v1/sessions/{id}) or wait for idle ones to expire",
                            type="rate_limit_error", code="too_many_sessions", headers={"Retry-After": "1"})
 
-    def create(self, tenant: str | None) -> Session:
+    def create(self, tenant: str | None, implicit: bool = False, ttl_s: float | None = None) -> Session:
         now = self.clock()
-        session = Session("sess-" + secrets.token_hex(16), tenant, now, now, busy=True)
+        session = Session("sess-" + secrets.token_hex(16), tenant, now, now, busy=True, implicit=implicit,
+                          ttl_s=ttl_s)
         self._sessions[session.session_id] = session
         return session
 
@@ -130,6 +139,10 @@ class SessionStore:
         session.last_used = self.clock()
         if session.closed:  # closed while its turn ran: the turn's request was aborted then
             self._release(session)
+        elif session.implicit and session.held is None:
+            # Nothing to continue, and nobody knows the id: keep no empty shell around.
+            session.closed = True
+            self._release(session)
 
     def take_held(self, session: Session) -> HeldRequest | None:
         held, session.held = session.held, None
@@ -149,8 +162,23 @@ class SessionStore:
             self._abort(session.active_request_id)
         self._release(session)
 
+    def get_idle(self, session_id: str) -> Session | None:
+        """The session if it exists and is idle (for the server's own lookups, no tenant check)."""
+        session = self._sessions.get(session_id)
+        return session if session is not None and not session.busy and not session.closed else None
+
+    def drop_implicit(self, count: int) -> int:
+        """Close up to `count` idle implicit sessions, least recently used first."""
+        idle = sorted((s for s in self._sessions.values() if s.implicit and not s.busy), key=lambda s: s.last_used)
+        for session in idle[:count]:
+            session.closed = True
+            self._release(session)
+        return min(count, len(idle))
+
     def _release(self, session: Session) -> None:
         self._sessions.pop(session.session_id, None)
+        for hook in self.on_release:
+            hook(session)
         if self._forget_program is not None:
             self._forget_program(scoped_program_id(session.tenant, session.session_id))
         held = self.take_held(session)
@@ -160,7 +188,8 @@ class SessionStore:
     def expire(self, now: float | None = None) -> int:
         """Close sessions idle for longer than the TTL; returns how many."""
         now = self.clock() if now is None else now
-        stale = [s for s in self._sessions.values() if not s.busy and now - s.last_used > self.ttl_s]
+        stale = [s for s in self._sessions.values()
+                 if not s.busy and now - s.last_used > (s.ttl_s if s.ttl_s is not None else self.ttl_s)]
         for session in stale:
             session.closed = True
             self._release(session)

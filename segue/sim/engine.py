@@ -41,3 +41,20 @@ def make_sim_engine(cost: CostModel, kv_cache_tokens: int, config: EngineConfig 
     config.scheduler.profile_path = None
     engine.clock = clock
     return engine
+
+
+# Device KV pool assumed for each preset: vLLM's default gpu_memory_utilization (0.9) of the
+# GPUs' memory minus fp16 weights; activations and the CUDA context come out of the 10%.
+#   gptj-6b-a100, 80 GiB:      0.9 * 80 GiB - 6.05e9 params * 2 B = 65.2 GB / 458,752 B per token
+#   vicuna-13b-2xa100, 80 GiB: 0.9 * 2 * 80 GiB - 13.0e9 * 2 B   = 128.6 GB / 819,200 B per token
+# InferCept itself ran on AWS p4d (A100 40 GB, as LAMPS infers): --gpu-memory-gib 40.
+_GPUS_AND_PARAMS = {"gptj-6b-a100": (1, 6.05e9), "vicuna-13b-2xa100": (2, 13.0e9)}
+
+
+def default_kv_cache_tokens(preset: str, kv_bytes_per_token: int, block_size: int,
+                            gpu_gib: float = 80.0) -> int | None:
+    if preset not in _GPUS_AND_PARAMS:
+        return None
+    gpus, params = _GPUS_AND_PARAMS[preset]
+    tokens = int((0.9 * gpus * gpu_gib * 2**30 - 2 * params) // kv_bytes_per_token)
+    return tokens // block_size * block_size

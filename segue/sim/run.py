@@ -11,24 +11,9 @@ from typing import Any
 
 from segue.config import SchedulerConfig
 from segue.sched.interception import INTERCEPTION_POLICIES
+from segue.sim.engine import default_kv_cache_tokens
 
 ALL_INTERCEPTION = "discard,improved-discard,preserve,swap,ttl,min-waste"
-
-# Device KV pool assumed for each preset: vLLM's default gpu_memory_utilization (0.9) of the
-# GPUs' memory minus fp16 weights; activations and the CUDA context come out of the 10%.
-#   gptj-6b-a100, 80 GiB:      0.9 * 80 GiB - 6.05e9 params * 2 B = 65.2 GB / 458,752 B per token
-#   vicuna-13b-2xa100, 80 GiB: 0.9 * 2 * 80 GiB - 13.0e9 * 2 B   = 128.6 GB / 819,200 B per token
-# InferCept itself ran on AWS p4d (A100 40 GB, as LAMPS infers): --gpu-memory-gib 40.
-_GPUS_AND_PARAMS = {"gptj-6b-a100": (1, 6.05e9), "vicuna-13b-2xa100": (2, 13.0e9)}
-
-
-def default_kv_cache_tokens(preset: str, kv_bytes_per_token: int, block_size: int,
-                            gpu_gib: float = 80.0) -> int | None:
-    if preset not in _GPUS_AND_PARAMS:
-        return None
-    gpus, params = _GPUS_AND_PARAMS[preset]
-    tokens = int((0.9 * gpus * gpu_gib * 2**30 - 2 * params) // kv_bytes_per_token)
-    return tokens // block_size * block_size
 
 
 def _floats(text: str) -> list[float]:
@@ -106,6 +91,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration-s", type=float, default=600.0,
                    help="trace window: rate × duration requests per rate, unless --num-requests (default: 600)")
     p.add_argument("--plot", default=None, metavar="PATH", help="PNG of mean normalized latency vs rate")
+    from segue.sim.workload_runs import add_sim_workload_args
+    add_sim_workload_args(p)
 
 
 def load_workload(args: argparse.Namespace, max_model_len: int) -> tuple[list[Any], int]:
@@ -171,6 +158,9 @@ def run_sim(args: argparse.Namespace) -> int:
     from segue.sim.engine import make_sim_engine
     from segue.sched.cost_model import PRESETS, CostModel
 
+    if getattr(args, "workload", "infercept") != "infercept":
+        from segue.sim.workload_runs import run_sim_workload
+        return run_sim_workload(args)
     if args.preset in PRESETS:
         cost = PRESETS[args.preset]
     elif os.path.exists(args.preset):

@@ -26,9 +26,11 @@ class PausedRequest:
 def estimated_duration(p: PausedRequest) -> float:
     """How much longer the pause is expected to last: the known duration minus the time already
     paused, or InferCept's dynamic estimate when none is known, t_now - t_call, which grows every
-    step the request stays paused (long pauses tend to go on)."""
+    step the request stays paused (long pauses tend to go on). A pause that outlasts its expected
+    duration by x is expected to last x more, by the same reasoning: a held turn announced for a
+    resume that does not come decays toward release instead of being held at zero cost forever."""
     if p.expected_s is not None:
-        return max(p.expected_s - p.elapsed_s, 0.0)
+        return abs(p.expected_s - p.elapsed_s)
     return p.elapsed_s
 
 

@@ -1,0 +1,161 @@
+"""The agent workload on an engine object: the in-process engine (wall clock) or the simulator
+(virtual clock), with token ids that really share the system prompt.
+
+Modes, as the HTTP client's:
+
+- `plain`: every turn is a new request whose prompt is the whole conversation so far (system
+  prompt, task, and each earlier turn's generated tokens and tool result); only the prefix cache
+  links the turns, as for an OpenAI client that re-sends its history.
+- `sessions`: one request per agent that pauses after each turn for the tool's time and resumes
+  with the tool result appended (a trace script), as a Segue session or an auto-continued plain
+  client does; the interception policy decides what the pause costs. The session is closed with
+  the last turn (the client says it is done).
+- `auto`: `sessions` as a plain client with auto-continuation gets it: nobody says the last turn
+  was the last, so it is held like the others; after `release_s` it is released to the prefix
+  cache (Scheduler.abandon) and after `ttl_s` aborted, as the server's auto-continuation does.
+
+Both modes feed the engine the same token sequences, so a turn's prompt in `plain` is exactly
+what the paused request holds in `sessions`.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from segue.sim.replay import token_range
+from segue.sim.workloads.agents import Agent, AgentSpec, system_prompt_ids, task_ids, tool_result_ids
+from segue.sampling_params import SamplingParams
+from segue.trace import TraceSegment
+
+MODES = ("plain", "sessions", "auto")
+
+
+@dataclass
+class _AgentState:
+    agent: Agent
+    arrival: float
+    context: list[int]
+    turn: int = 0
+    end: float | None = None
+    turn_starts: list[float] = field(default_factory=list)
+
+
+@dataclass
+class EngineAgentResult:
+    busy_s: list[float]          # per finished agent: agent time minus tool time
+    num_agents: int
+    duration_s: float
+    wall_s: float
+    preemptions: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    waste: dict[str, float]
+    steps: int
+    stalled: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"busy_s": self.busy_s, "num_agents": self.num_agents, "num_finished": len(self.busy_s),
+                "duration_s": self.duration_s, "wall_s": self.wall_s, "preemptions": self.preemptions,
+                "prefix_hit_tokens": self.prefix_hit_tokens, "prefix_query_tokens": self.prefix_query_tokens,
+                "waste_gbs": self.waste, "steps": self.steps, "stalled": self.stalled}
+
+
+def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clock_wait: Callable[[float], None],
+               check_invariants: bool = False, deadline_s: float | None = None, release_s: float = 10.0,
+               ttl_s: float = 60.0) -> EngineAgentResult:
+    """Drive `engine` (LLMEngine, real or simulated) through the agents; `clock_wait(t)` returns
+    once engine.clock() >= t."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}")
+    vocab = token_range(engine.model_config.vocab_size)
+    system = system_prompt_ids(spec, vocab)
+    params = SamplingParams(temperature=0, max_tokens=spec.output_tokens, ignore_eos=True)
+    start = engine.clock()
+    hit0, query0 = engine.scheduler.prefix_hit_tokens, engine.scheduler.prefix_query_tokens
+    pre0, steps0 = engine.scheduler.num_preemptions_total, engine.num_steps
+    waste0 = engine.waste.totals.as_dict()
+    states = {a.index: _AgentState(a, start + a.arrival_s, system + task_ids(spec, a, vocab)) for a in agents}
+    # (time, seq, agent index, action): an agent's next turn is due (its arrival, or its tool's
+    # end), or (auto) its held last turn is released or dropped.
+    due = [(s.arrival, a.index, a.index, "turn") for a, s in ((a, states[a.index]) for a in agents)]
+    heapq.heapify(due)
+    seq = len(due)
+    wall0 = time.perf_counter()
+    stalled = False
+    last = start
+
+    def submit(st: _AgentState, at: float) -> None:
+        a = st.agent
+        if mode == "plain":
+            engine.add_request(f"a{a.index}-t{st.turn}", list(st.context), params, arrival_time=at)
+            return
+        script = [TraceSegment(spec.output_tokens, a.tool_s[t], tool_result_ids(spec, a, t, vocab), kind="tool")
+                  for t in range(a.num_turns - 1)] + [TraceSegment(spec.output_tokens)]
+        if mode == "auto":
+            # Held after the last turn until dropped (the resume at 10 × TTL never comes).
+            script[-1] = TraceSegment(spec.output_tokens, 10 * ttl_s, [vocab[0]], kind="turn")
+            script.append(TraceSegment(1))
+        engine.add_request(f"a{a.index}", list(st.context), params, arrival_time=at, script=script)
+
+    def push(at: float, idx: int, action: str) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(due, (at, seq, idx, action))
+
+    def finished(rid: str, token_ids: list[int], now: float) -> None:
+        idx = int(rid[1:].split("-")[0])
+        st = states[idx]
+        if mode != "plain" or st.turn + 1 >= st.agent.num_turns:
+            if st.end is None:
+                st.end = now
+            return
+        st.context += list(token_ids) + tool_result_ids(spec, st.agent, st.turn, vocab)
+        push(now + st.agent.tool_s[st.turn], idx, "turn")
+        st.turn += 1
+
+    def act(idx: int, action: str, at: float) -> None:
+        rid = f"a{idx}"
+        if action == "turn":
+            submit(states[idx], at)
+        elif action == "release":
+            engine.scheduler.abandon(rid)
+        elif action == "drop":
+            engine.abort_request(rid)
+
+    while due or engine.has_unfinished_requests():
+        now = engine.clock()
+        if deadline_s is not None and now - start > deadline_s:
+            break
+        while due and due[0][0] <= now:
+            at, _, idx, action = heapq.heappop(due)
+            act(idx, action, at)
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    last = max(last, engine.clock())
+                    finished(out.request_id, out.outputs[0].token_ids, engine.clock())
+                elif mode == "auto":
+                    st = states[int(out.request_id[1:])]
+                    if st.end is None and out.outputs[0].num_generated_tokens >= st.agent.num_turns * spec.output_tokens:
+                        st.end = last = max(last, engine.clock())
+                        push(st.end + release_s, st.agent.index, "release")
+                        push(st.end + ttl_s, st.agent.index, "drop")
+            if check_invariants:
+                engine.check_invariants()
+            if not engine.last_step_idle:
+                continue
+        events = [t for t in (due[0][0] if due else None, engine.next_timer()) if t is not None]
+        if not events:
+            stalled = engine.has_unfinished_requests()
+            break
+        clock_wait(min(events))
+    busy = [st.end - st.arrival - st.agent.total_tool_s for st in states.values() if st.end is not None]
+    waste1 = engine.waste.totals.as_dict()
+    return EngineAgentResult(
+        busy, len(agents), last - start, time.perf_counter() - wall0,
+        engine.scheduler.num_preemptions_total - pre0, engine.scheduler.prefix_hit_tokens - hit0,
+        engine.scheduler.prefix_query_tokens - query0, {k: waste1[k] - waste0.get(k, 0.0) for k in waste1},
+        engine.num_steps - steps0, stalled)
