@@ -222,8 +222,9 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _engine(ckpt: Any, **predictor: Any) -> LLMEngine:
+    # Full-precision weights: the hidden-state test compares with transformers' fp32 forward.
     return LLMEngine(EngineConfig(
-        model=ModelLoadConfig(model=str(ckpt), dtype="float32", device="cpu"),
+        model=ModelLoadConfig(model=str(ckpt), dtype="float32", device="cpu", quantization="none"),
         cache=CacheConfig(block_size=4, kv_cache_tokens=512),
         scheduler=SchedulerConfig(max_num_batched_tokens=64),
         predictor=PredictorConfig(**predictor)))

@@ -139,12 +139,13 @@ def check_variants(weights, config, kernels, variants, prompts=None, text=None, 
 @pytest.mark.parametrize("kernels", [KERNELS, None], ids=["native", "torch"])
 def test_tiny_variants_agree_with_fp32(tiny, kernels):
     ckpt = load_checkpoint(tiny, dtype=torch.float32)
-    check_variants(ckpt.weights, ckpt.config, kernels, [
-        (torch.bfloat16, Quantization.NONE), (torch.float32, Quantization.INT8)])
+    # The torch form (what CUDA runs) only differs in how the same weights are applied: int8 there.
+    variants = [(torch.bfloat16, Quantization.NONE), (torch.float32, Quantization.INT8)]
+    check_variants(ckpt.weights, ckpt.config, kernels, variants if kernels is not None else variants[1:])
 
 
-@pytest.mark.parametrize("kernels", [KERNELS, None], ids=["native", "torch"])
-def test_tiny_int4_of_a_q4_checkpoint_agrees_with_fp32(tiny, kernels):
+def test_tiny_int4_of_a_q4_checkpoint_agrees_with_fp32(tiny):
+    kernels = KERNELS
     # int4 of full-precision random weights is lossy (16 levels per group: ~60% greedy agreement
     # on this flat-logit random model); int4 serves checkpoints already in 4-bit groups.
     ckpt = load_checkpoint(tiny, dtype=torch.float32)
