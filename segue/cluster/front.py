@@ -8,7 +8,7 @@ server writes, tool duration hints, fans out to all of them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from segue.sampling_params import InvalidRequestError, SamplingParams
@@ -25,11 +25,13 @@ class ModelInfo:
     vocab_size: int
     chat_template: str | None
     tokenizer: Any
+    # The model's recommended sampling settings (segue/generation_defaults.py).
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def model_info(llm: "LLMEngine") -> ModelInfo:
     return ModelInfo(llm.model_name, llm.max_model_len, llm.model_config.vocab_size, llm.chat_template,
-                     llm.tokenizer)
+                     llm.tokenizer, dict(llm.generation_defaults))
 
 
 class ToolHintFanout:
@@ -50,6 +52,7 @@ class ModelFront:
         self.vocab_size = info.vocab_size
         self.chat_template = info.chat_template
         self.tokenizer = info.tokenizer
+        self.generation_defaults = info.generation_defaults
         self.tool_stats = ToolHintFanout(replicas)
 
     def encode(self, prompt: str) -> list[int]:
