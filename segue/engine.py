@@ -10,6 +10,7 @@ from segue.config import EngineConfig
 from segue.detokenizer import IncrementalDetokenizer
 from segue.executor.base import Executor
 from segue.executor.loading import engine_cost_model, load_model
+from segue.generation_defaults import generation_defaults
 from segue.kv.manager import KVCacheManager
 from segue.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from segue.predict import OnlinePredictors
@@ -62,6 +63,8 @@ class LLMEngine:
         self.clock = time.monotonic
         self._states: dict[str, RequestState] = {}
         self._grammars: Any = None
+        # Sampling settings the model recommends, for callers (the server) whose clients name none.
+        self.generation_defaults = generation_defaults(config.model.model)
         self.num_steps = 0
         self.last_step_idle = True
 

@@ -36,6 +36,7 @@ class ModelFront:
         self.vocab_size = info.vocab_size
         self.chat_template = info.chat_template
         self.tokenizer = info.tokenizer
+        self.generation_defaults = info.generation_defaults
         self.tool_stats = ToolHintFanout(replicas)
 
     def encode(self, prompt: str) -> list[int]:

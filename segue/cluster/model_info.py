@@ -2,7 +2,7 @@
 Its own module so replicas and the front can both use it without importing each other."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -16,8 +16,10 @@ class ModelInfo:
     vocab_size: int
     chat_template: str | None
     tokenizer: Any
+    # The model's recommended sampling settings (segue/generation_defaults.py).
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def model_info(llm: "LLMEngine") -> ModelInfo:
     return ModelInfo(llm.model_name, llm.max_model_len, llm.model_config.vocab_size, llm.chat_template,
-                     llm.tokenizer)
+                     llm.tokenizer, dict(llm.generation_defaults))

@@ -10,7 +10,6 @@ from typing import Any, Callable, TypeVar
 from fastapi import Request
 
 from segue.async_engine import AsyncLLMEngine
-from segue.generation_defaults import generation_defaults
 from segue.server.auto_continue import AutoContinuation
 from segue.server.config import ServerConfig
 from segue.server.errors import APIError
@@ -43,7 +42,7 @@ class ServingContext:
         for spec in self.tools.specs():
             llm.tool_stats.set_hint(spec.name, spec.expected_seconds)
         # The model's recommended sampling settings, for what a client leaves out.
-        self.generation_defaults = generation_defaults(llm.config.model.model)
+        self.generation_defaults: dict[str, Any] = dict(llm.generation_defaults)
         self.renderer = ChatRenderer(llm.apply_chat_template, llm.chat_template)
         self.sessions = SessionStore(self.engine.abort, self.config.session_ttl_s, self.config.max_sessions,
                                      forget_program=self.engine.forget_program)
