@@ -118,3 +118,35 @@ def test_script_that_outgrows_the_context_ends_alone(tiny):
     assert results["r"].outputs[0].finish_reason == "length"
     assert results["plain"].outputs[0].finish_reason == "length"
     assert len(results["plain"].outputs[0].token_ids) == 30
+
+
+def test_host_tier_hit_loads_real_kv(tiny):
+    """Another request's prefix found only in the host tier is copied back by the torch executor
+    and generates exactly what a cold run of that request generates."""
+    path, model = tiny
+    engine = make_engine(path, "swap")
+    prompt = list(range(2000, 2030))
+    engine.add_request("a", prompt, SamplingParams(temperature=0),
+                       script=[TraceSegment(3, 60.0, [7]), TraceSegment(2)])
+    kv = engine.scheduler.kv
+    for _ in range(50):
+        engine.step()
+        engine.check_invariants()
+        if kv.host_tables.get("a") and not kv.tables.get("a") and kv.host_tables["a"][0].block_hash is not None:
+            break
+    assert kv.host_tables["a"][0].block_hash is not None, "a's context should sit in the host tier"
+    kv.device.reset_prefix_cache()  # as if evicted: only the host tier has it
+    copies = []
+    execute = engine.executor.execute
+
+    def counting(out):
+        copies.extend(out.blocks_to_swap_in)
+        return execute(out)
+    engine.executor.execute = counting
+    longer = prompt + [5, 6, 7]
+    b = engine.add_request("b", longer, SamplingParams(temperature=0, max_tokens=6))
+    while not b.is_finished:
+        engine.step()
+        engine.check_invariants()
+    assert b.num_cached_tokens >= 28 and len(copies) >= 7
+    assert b.output_token_ids == hf_greedy(model, longer, 6)

@@ -14,7 +14,7 @@ from segue.server.config import ServerConfig
 from test_server_sessions import KEY_A, KEY_B, WEATHER, make_client
 from test_server_session_turns import CHAT, FOLLOW_UP, GREETING, FirstTurnScript, paused_ids
 from test_server_support import (  # noqa: F401  (engine, setup: shared pytest fixtures)
-    ScriptedModel, ServerThread, engine, on_engine, setup, wait_idle, wait_until)
+    ScriptedModel, ServerThread, engine, on_engine, setup, wait_until)
 
 
 @pytest.fixture(scope="module")

@@ -85,6 +85,7 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
     seq = len(due)
     wall0 = time.perf_counter()
     stalled = False
+    gap = [release_s / 2]  # the server's initial guess (auto_continue.py)
     last = start
 
     def submit(st: _AgentState, at: float) -> None:
@@ -137,9 +138,15 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
                 if out.finished:
                     last = max(last, engine.clock())
                     finished(out.request_id, out.outputs[0].token_ids, engine.clock())
-                elif mode == "auto":
+                elif mode == "auto" and out.paused:
                     st = states[int(out.request_id[1:])]
-                    if st.end is None and out.outputs[0].num_generated_tokens >= st.agent.num_turns * spec.output_tokens:
+                    turns_done = out.outputs[0].num_generated_tokens // spec.output_tokens
+                    # As the server's sweep: every held turn is announced with the mean gap after
+                    # which clients came back so far.
+                    if turns_done >= 2:  # the tool before this turn has been seen through
+                        gap[0] = 0.8 * gap[0] + 0.2 * st.agent.tool_s[turns_done - 2]
+                    engine.scheduler.set_expected_resume(out.request_id, engine.clock() + gap[0])
+                    if st.end is None and turns_done >= st.agent.num_turns:
                         st.end = last = max(last, engine.clock())
                         push(st.end + release_s, st.agent.index, "release")
                         push(st.end + ttl_s, st.agent.index, "drop")
