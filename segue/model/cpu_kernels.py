@@ -8,14 +8,46 @@ SiLU-gating), which in torch form are dozens of small ops per layer. When the bu
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import time
 from functools import lru_cache
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "fused_ops.cpp", "quant_ops.cpp")]
+
+
+# torch's builder waits for ever on a lock file that a killed build left behind; a real build of
+# these sources takes minutes, so a lock this old has no builder behind it.
+_STALE_LOCK_S = 20 * 60
+
+
+def _module_name() -> str:
+    """Named by a hash of the sources, so two checkouts with different kernels (or an upgrade) do
+    not rebuild over each other's cache entry."""
+    digest = hashlib.sha256()
+    for path in _SOURCES:
+        digest.update(path.read_bytes())
+    return f"segue_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
+def _clear_stale_lock(name: str) -> None:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+    except ImportError:  # a torch without the helper: nothing to clean, the build still runs
+        return
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > _STALE_LOCK_S:
+        logger.warning("removing a CPU-kernel build lock left %.0f min ago by a build that never finished: %s",
+                       age / 60, lock)
+        lock.unlink(missing_ok=True)
 
 
 @lru_cache(maxsize=1)
@@ -26,7 +58,9 @@ def load_cpu_kernels():
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="segue_cpu_paged_attention", sources=[str(p) for p in _SOURCES],
+        name = _module_name()
+        _clear_stale_lock(name)
+        return load(name=name, sources=[str(p) for p in _SOURCES],
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # the torch path is correct, only slower
