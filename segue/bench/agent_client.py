@@ -141,35 +141,10 @@ class AgentClient(OpenAIClient):
 
     async def _turn(self, body: dict[str, Any]) -> tuple[TurnRecord, str, str | None]:
         start = time.monotonic()
-        content: list[str] = []
-        first: float | None = None
-        usage: dict[str, Any] = {}
-        session_id: str | None = None
-        async with self.http.stream("POST", "/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                raise ServerError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise ServerError(f"error in stream: {chunk['error']}")
-                session_id = chunk.get("session_id") or session_id
-                usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content")
-                    if text:
-                        first = first or time.monotonic()
-                        content.append(text)
-        if not usage:
-            raise ServerError("the server sent no usage (stream_options.include_usage unsupported?)")
-        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        rec = TurnRecord(start, first, time.monotonic(), int(usage.get("prompt_tokens", 0)), cached,
-                         int(usage.get("completion_tokens", 0)))
-        return rec, "".join(content), session_id
+        seg = await self._stream(body)
+        rec = TurnRecord(start, seg.first_token_time, seg.end_time, seg.prompt_tokens, seg.cached_tokens,
+                         seg.completion_tokens)
+        return rec, seg.content, seg.session_id
 
     async def run_agent(self, agent: Agent, texts: AgentTexts, arrival: float) -> AgentRecord:
         messages = [{"role": "system", "content": texts.system}, {"role": "user", "content": texts.tasks[agent.index]}]

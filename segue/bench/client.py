@@ -83,6 +83,8 @@ class _Segment:
     prompt_tokens: int
     completion_tokens: int
     session_id: str | None
+    # Prompt tokens the server answered from its prefix cache (usage.prompt_tokens_details).
+    cached_tokens: int = 0
 
 
 class ServerError(RuntimeError):
@@ -171,8 +173,9 @@ class OpenAIClient:
         end = time.monotonic()
         if not usage:
             raise ServerError("the server sent no usage (stream_options.include_usage unsupported?)")
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         return _Segment("".join(content), first, end, int(usage.get("prompt_tokens", 0)),
-                        int(usage.get("completion_tokens", 0)), session_id)
+                        int(usage.get("completion_tokens", 0)), session_id, cached)
 
     async def conversation(self, index: int, req: TraceRequest, arrival: float) -> RequestRecord:
         """Replay one request starting at `arrival` (time.monotonic); returns its record."""
