@@ -183,3 +183,47 @@ def test_shape_mismatch_and_empty() -> None:
     with pytest.raises(ValueError):
         sample(torch.zeros(2, 5), [SamplingParams()], [0, 0])
     assert sample(torch.zeros(0, 5), [], []) == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_candidate_filter_equals_full_sort(device: str) -> None:
+    # The top-k/top-p shortcut over the most likely tokens must keep exactly the tokens the
+    # full sort keeps, for every row it calls exact; rows it cannot settle must say so.
+    from segue.model.sampler import _CANDIDATES, _candidate_filter, _filter_top_k_top_p
+
+    vocab = 3000
+    x = _logits(8, vocab, seed=3, device=device)
+    # Nearly flat row (distinct values, so no ties): a 0.9 nucleus needs ~2,700 tokens.
+    x[4] = torch.arange(vocab, device=device) * 1e-5
+    for temp, k, p in [(0.2, vocab, 0.9), (1.0, 40, 1.0), (1.0, 40, 0.5), (0.7, vocab, 0.95),
+                       (1.0, _CANDIDATES + 10, 0.9), (3.0, vocab, 0.99)]:
+        xs = x / temp
+        temps = torch.full((8,), temp, device=device)
+        ks = torch.full((8,), k, device=device)
+        ps = torch.full((8,), p if p < 1.0 else float("inf"), device=device)
+        ref = _filter_top_k_top_p(xs, ks, ps)
+        vals, ids, exact = _candidate_filter(x, temps, ks, ps)
+        if k > _CANDIDATES and k < vocab:
+            assert not exact.any()
+        assert not bool(exact[4]) or k <= _CANDIDATES
+        for r in range(8):
+            if not exact[r]:
+                continue
+            kept_ref = set(torch.nonzero(ref[r] > float("-inf")).flatten().tolist())
+            kept = set(ids[r][vals[r] > float("-inf")].tolist())
+            assert kept == kept_ref, (temp, k, p, r)
+
+
+def test_candidate_sampling_follows_nucleus() -> None:
+    # Draws through the candidate path follow the renormalized nucleus distribution.
+    vocab = 1000
+    base = torch.full((vocab,), -20.0)
+    base[:3] = torch.tensor([2.0, 1.0, 0.0])
+    n = 20000
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    out = sample(base.repeat(n, 1), [params] * n, [0] * n)
+    counts = torch.bincount(torch.tensor([r.token_id for r in out]), minlength=vocab).double()
+    assert counts[3:].sum() == 0
+    expected = torch.softmax(base[:3].double(), -1) * n
+    chi2 = float(((counts[:3] - expected) ** 2 / expected).sum())
+    assert chi2 < 25, (counts[:3].tolist(), expected.tolist())

@@ -37,8 +37,15 @@ def _mix_seed(seed: int, position: int) -> int:
     return x ^ (x >> 31)
 
 
+# Candidates kept by torch.topk before filtering. Sorting a 49k vocabulary per row dominated
+# sampling (a third of a batch-64 decode step); a nucleus at the temperatures people sample
+# with almost always closes within the few hundred most likely tokens. Rows whose top-k or
+# nucleus reaches past the candidates fall back to the full sort, so the result is exact.
+_CANDIDATES = 256
+
+
 def _filter_top_k_top_p(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
-    """Set logits outside each row's top-k / nucleus to -inf.
+    """Set logits outside each row's top-k / nucleus to -inf (full sort; exact for any k, p).
 
     x: [R, V] fp32 temperature-scaled logits; ks: [R] long (V = disabled); ps: [R] fp32
     (inf = disabled, so float rounding in the cumsum can never drop tail tokens of a row
@@ -60,11 +67,50 @@ def _filter_top_k_top_p(x: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> 
     return x.masked_fill(mask, float("-inf"))
 
 
+def _candidate_filter(
+    logits: torch.Tensor, temps: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k / nucleus filtering restricted to each row's _CANDIDATES most likely tokens.
+
+    logits: [R, V] raw (any float dtype); temps: [R] fp32; ks, ps as in _filter_top_k_top_p.
+    Returns (vals, ids, exact): vals [R, C] the candidates' temperature-scaled fp32 logits (-inf
+    where filtered out), ids [R, C] their token ids, and exact [R] bool — True where every token
+    outside the candidates would have been filtered out anyway (the row's top-k fits, or its
+    nucleus closes inside the candidates), i.e. where sampling from the candidates equals
+    sampling from the fully filtered row.
+    """
+    vocab = logits.shape[-1]
+    cand = min(vocab, _CANDIDATES)
+    # Temperature is positive, so the raw top-k is the scaled top-k: scale only what is kept.
+    vals, ids = logits.topk(cand, dim=-1)
+    vals = vals.float() / temps.unsqueeze(1)
+    in_k = torch.arange(cand, device=logits.device).unsqueeze(0) < ks.unsqueeze(1)
+    vals = vals.masked_fill(~in_k, float("-inf"))
+    k_fits = ks <= cand
+    # Normalize over the top-k when it fits in the candidates, else over the whole row.
+    lse = vals.logsumexp(dim=-1)
+    if int(ks.max()) > cand:
+        full_lse = (logits.float() / temps.unsqueeze(1)).logsumexp(dim=-1)
+        lse = torch.where(k_fits, lse, full_lse)
+    probs = (vals - lse.unsqueeze(1)).exp()
+    cum = probs.cumsum(dim=-1)
+    drop = ~in_k | (cum - probs >= ps.unsqueeze(1))
+    drop[:, 0] = False  # the most likely token always survives
+    # A top-k between the candidates and the vocabulary renormalizes over tokens not seen here.
+    exact = k_fits | ((ks >= vocab) & (cum[:, -1] >= ps))
+    return vals.masked_fill(drop, float("-inf")), ids, exact
+
+
+def _exp_noise(like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Exp(1) draws shaped like `like`, as -log(U): on CPU 4x faster than Tensor.exponential_."""
+    return torch.empty_like(like).uniform_(generator=generator).log_().neg_()
+
+
 def _race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Exponential-race sampling: argmax(p / E) with E ~ Exp(1) picks index i with probability p_i.
 
     Unlike multinomial it is one elementwise op plus argmax, and zero-probability tokens can
-    never win as long as E > 0 (clamped, since exponential_ may return exactly 0).
+    never win as long as E > 0 (clamped; a draw of U = 0 gives E = inf, which merely loses).
     """
     return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
@@ -75,34 +121,69 @@ def _sample_rows(
     """Draw one token for each of `rows` (all non-greedy); returns [len(rows)] long on device."""
     device = logits.device
     vocab = logits.shape[-1]
-    idx = torch.tensor(rows, device=device)
-    temps = torch.tensor([params[r].temperature for r in rows], device=device, dtype=torch.float32)
-    x = logits.index_select(0, idx).float() / temps.unsqueeze(1)
 
-    # Only rows that ask for filtering pay for the sort; the others keep their logits untouched,
+    def select(src: torch.Tensor, js: list[int]) -> torch.Tensor:
+        # A full-vocabulary row copy costs ~0.2 ms; skip it in the common all-rows case.
+        return src if js == list(range(src.shape[0])) else src.index_select(0, torch.tensor(js, device=device))
+
+    src = select(logits, rows)
+    temp_list = [params[r].temperature for r in rows]
+
+    # Only rows that ask for filtering pay for it; the others keep their logits untouched,
     # which is what makes a row's result independent of its neighbours' settings.
     filt = [j for j, r in enumerate(rows) if params[r].top_k > 0 or params[r].top_p < 1.0]
+    # Filtered rows whose top-k / nucleus lies within the candidates sample among those
+    # (cand_pos[j] = their row in cand_probs); all other rows sample over the whole vocabulary.
+    cand_pos: dict[int, int] = {}
+    ks_of: dict[int, int] = {}
+    ps_of: dict[int, float] = {}
     if filt:
-        fidx = torch.tensor(filt, device=device)
-        ks = torch.tensor(
-            [min(params[rows[j]].top_k, vocab) if params[rows[j]].top_k > 0 else vocab for j in filt],
-            device=device,
+        for j in filt:
+            p = params[rows[j]]
+            ks_of[j] = min(p.top_k, vocab) if p.top_k > 0 else vocab
+            ps_of[j] = p.top_p if p.top_p < 1.0 else float("inf")
+        cand_vals, cand_ids, exact = _candidate_filter(
+            select(src, filt),
+            torch.tensor([temp_list[j] for j in filt], device=device, dtype=torch.float32),
+            torch.tensor([ks_of[j] for j in filt], device=device),
+            torch.tensor([ps_of[j] for j in filt], device=device, dtype=torch.float32),
         )
-        ps = torch.tensor(
-            [params[rows[j]].top_p if params[rows[j]].top_p < 1.0 else float("inf") for j in filt],
-            device=device,
-            dtype=torch.float32,
-        )
-        x.index_copy_(0, fidx, _filter_top_k_top_p(x.index_select(0, fidx), ks, ps))
+        cand_probs = cand_vals.softmax(dim=-1)
+        cand_pos = {j: i for i, (j, ok) in enumerate(zip(filt, exact.tolist())) if ok}
 
-    probs = x.softmax(dim=-1)
+    full = [j for j in range(len(rows)) if j not in cand_pos]
+    full_pos = {j: i for i, j in enumerate(full)}
+    probs = None
+    if full:
+        temps = torch.tensor([temp_list[j] for j in full], device=device, dtype=torch.float32)
+        x = select(src, full).float() / temps.unsqueeze(1)
+        inexact = [i for i, j in enumerate(full) if j in ks_of]
+        if inexact:
+            sub = torch.tensor(inexact, device=device)
+            ks = torch.tensor([ks_of[full[i]] for i in inexact], device=device)
+            ps = torch.tensor([ps_of[full[i]] for i in inexact], device=device, dtype=torch.float32)
+            x.index_copy_(0, sub, _filter_top_k_top_p(x.index_select(0, sub), ks, ps))
+        probs = x.softmax(dim=-1)
+
     out = torch.empty(len(rows), dtype=torch.long, device=device)
 
+    def draw(js: list[int]) -> None:
+        """Unseeded rows: one batched race per source (candidates / whole vocabulary)."""
+        if not js:
+            return
+        jidx = torch.tensor(js, device=device)
+        if js[0] in cand_pos:
+            pos = torch.tensor([cand_pos[j] for j in js], device=device)
+            p = cand_probs.index_select(0, pos)
+            picked = cand_ids.index_select(0, pos).gather(1, _race(p, _exp_noise(p)).unsqueeze(1))
+            out.index_copy_(0, jidx, picked.squeeze(1))
+        else:
+            p = select(probs, [full_pos[j] for j in js])
+            out.index_copy_(0, jidx, _race(p, _exp_noise(p)))
+
     unseeded = [j for j, r in enumerate(rows) if params[r].seed is None]
-    if unseeded:
-        uidx = torch.tensor(unseeded, device=device)
-        p = probs.index_select(0, uidx)
-        out.index_copy_(0, uidx, _race(p, torch.empty_like(p).exponential_()))
+    draw([j for j in unseeded if j in cand_pos])
+    draw([j for j in unseeded if j not in cand_pos])
 
     for j, r in enumerate(rows):
         seed = params[r].seed
@@ -110,8 +191,13 @@ def _sample_rows(
             continue
         gen = torch.Generator(device=device)
         gen.manual_seed(_mix_seed(seed, positions[r]))
-        p = probs[j : j + 1]
-        out[j : j + 1] = _race(p, torch.empty_like(p).exponential_(generator=gen))
+        if j in cand_pos:
+            c = cand_pos[j]
+            p = cand_probs[c : c + 1]
+            out[j : j + 1] = cand_ids[c].index_select(0, _race(p, _exp_noise(p, gen)))
+        else:
+            p = probs[full_pos[j] : full_pos[j] + 1]
+            out[j : j + 1] = _race(p, _exp_noise(p, gen))
     return out
 
 
