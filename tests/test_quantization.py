@@ -105,6 +105,37 @@ def test_bf16_paged_attention_matches_fp32():
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
+def _reference_decode_attention(q, kc, vc, table, ctx, scale):
+    """Gather each sequence's K/V rows through its block table and attend in float64."""
+    kvh, _, bs, hd = kc.shape
+    group = q.shape[1] // kvh
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for s in range(q.shape[0]):
+        pos = torch.arange(int(ctx[s]))
+        slots = table[s][pos // bs], pos % bs
+        k = kc[:, slots[0], slots[1]].double().repeat_interleave(group, 0)  # [heads, ctx, hd]
+        v = vc[:, slots[0], slots[1]].double().repeat_interleave(group, 0)
+        att = (torch.einsum("hd,hcd->hc", q[s].double(), k) * scale).softmax(-1)
+        out[s] = torch.einsum("hc,hcd->hd", att, v)
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("hd", [64, 32])  # 64 takes the AVX2 path where the CPU has it
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_matches_reference(hd: int, dtype: torch.dtype):
+    torch.manual_seed(1)
+    n, nh, kvh, bs, blocks = 4, 9, 3, 16, 40
+    q = torch.randn(n, nh, hd) * 2  # sharper softmax than unit scores
+    kc, vc = torch.randn(kvh, blocks, bs, hd), torch.randn(kvh, blocks, bs, hd)
+    table = torch.randperm(blocks)[: n * 10].view(n, 10)
+    ctx = torch.tensor([1, 7, 16, 153])  # the exp tail, a partial block, a whole one, many
+    ref = _reference_decode_attention(q.to(dtype), kc.to(dtype), vc.to(dtype), table, ctx, hd ** -0.5)
+    out = KERNELS.paged_decode_attention(q.to(dtype), kc.to(dtype), vc.to(dtype), table, ctx, hd ** -0.5)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.double(), ref, **tol)
+
+
 def _q4_rounded(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The checkpoint as a Q4_1 GGUF would hold it (the default model is one): every matrix in
     int4 groups of 32, dequantized to fp32."""
