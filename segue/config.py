@@ -90,6 +90,10 @@ class ModelLoadConfig:
     # Weight-only quantization of the linear layers: "auto" (int8 on CPU, none on CUDA), "none",
     # "int8" (per output channel) or "int4" (groups of 32).
     quantization: str = "auto"
+    # Sampling settings for the fields a request leaves out: "auto" the model's recommended ones
+    # (segue/generation_defaults.py), "none" the OpenAI API's (temperature 1, top_p 1), or a
+    # directory holding a generation_config.json — vLLM's --generation-config.
+    generation_config: str = "auto"
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -64,7 +64,7 @@ class LLMEngine:
         self._states: dict[str, RequestState] = {}
         self._grammars: Any = None
         # Sampling settings the model recommends, for callers (the server) whose clients name none.
-        self.generation_defaults = generation_defaults(config.model.model)
+        self.generation_defaults = generation_defaults(config.model.model, config.model.generation_config)
         self.num_steps = 0
         self.last_step_idle = True
 

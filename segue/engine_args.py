@@ -16,6 +16,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                    help="weight-only quantization of the linear layers (auto: int8 on CPU, none on CUDA)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
+                   help="sampling settings for fields a request leaves out: the model's recommended "
+                        "ones (auto), the OpenAI API defaults (none), or a directory's "
+                        "generation_config.json")
     g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     g.add_argument("--kv-cache-tokens", type=int, default=CacheConfig.kv_cache_tokens,
                    help="device KV pool size in tokens")
@@ -41,7 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelLoadConfig(model=args.model, dtype=args.dtype, device=args.device,
-                              served_model_name=args.served_model_name, quantization=args.quantization),
+                              served_model_name=args.served_model_name, quantization=args.quantization,
+                              generation_config=args.generation_config),
         cache=CacheConfig(block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
                           kv_cache_bytes=args.kv_cache_bytes, swap_space_tokens=args.swap_space_tokens,
                           enable_prefix_caching=not args.no_prefix_caching),

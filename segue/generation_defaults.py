@@ -22,8 +22,16 @@ _GGUF_KEYS = {"general.sampling.temp": ("temperature", float), "general.sampling
               "general.sampling.top_k": ("top_k", int)}
 
 
-def generation_defaults(model: str | None) -> dict[str, Any]:
-    """Recommended sampling settings of the model at `model` (None: the embedded default)."""
+def generation_defaults(model: str | None, source: str = "auto") -> dict[str, Any]:
+    """Sampling settings for the fields a request leaves out. source "auto": those recommended for
+    the model at `model` (None: the embedded default); "none": no defaults (the OpenAI API's);
+    any other value: a directory with a generation_config.json."""
+    if source == "none":
+        return {}
+    if source != "auto":
+        model = source
+        if not (pathlib.Path(model).expanduser() / "generation_config.json").is_file():
+            raise ValueError(f"--generation-config {source}: no generation_config.json there")
     if model is None:
         return dict(DEFAULT_MODEL_SAMPLING)
     path = pathlib.Path(model).expanduser()

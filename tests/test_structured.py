@@ -150,3 +150,52 @@ def test_closed_objects_narrow_only_unspecified_objects() -> None:
     assert out["properties"]["list"]["items"]["additionalProperties"] is False
     assert schema["properties"]["list"]["items"] == {"type": "object", "properties": {"b": {}}}  # not mutated
     assert json.dumps(closed_objects(True)) == "true"
+
+
+def _rambling_run(backend: GrammarBackend, spec: StructuredSpec, max_tokens: int, seed: int) -> str:
+    """Generate under the grammar with logits that favour long words and penalize every closing
+    token, as a small model stuck in a string does; returns the text when max_tokens cuts it."""
+    tok = default_tokenizer()
+    vocab = len(tok)
+    g = backend.matcher(spec, start=0)
+    gen = torch.Generator().manual_seed(seed)
+    closers = {t for t in range(vocab) if any(c in tok.decode([t]) for c in '"}]')}
+    bias = torch.zeros(vocab)
+    bias[list(closers)] = -8.0
+    bias[EOS] = -8.0
+    out: list[int] = []
+    params = SamplingParams(temperature=0.7, max_tokens=max_tokens)
+    while len(out) < max_tokens:
+        allowed = fill_bitmask([g], [out], vocab, [max_tokens - len(out)])
+        logits = (torch.randn(1, vocab, generator=gen) + bias).unsqueeze(0)[0]
+        token = sample(logits, [params], [len(out)], allowed)[0].token_id
+        if token == EOS:
+            break
+        out.append(token)
+    return tok.decode(out)
+
+
+@pytest.mark.parametrize("max_tokens", [40, 64])  # the shortest calls take 26 and 33 tokens
+def test_budget_steering_finishes_forced_calls(backend: GrammarBackend, max_tokens: int) -> None:
+    # Without steering such a model is cut inside the string; with it every answer is complete.
+    parser_tools = [WEATHER, SEARCH]
+    for seed in range(4):
+        text = _rambling_run(backend, forced_grammar(parser_tools), max_tokens, seed)
+        _, calls = ToolCallParser().find_calls(text)
+        assert len(calls) == 1 and calls[0].error is None, text
+        args = calls[0].arguments
+        assert set(args) >= set(({"get_weather": ["city", "days"], "web_search": ["query"]})[calls[0].name])
+        if calls[0].name == "get_weather":
+            assert 1 <= args["days"] <= 7
+    schema = {"type": "object", "properties": {"title": {"type": "string"}, "tags": {
+        "type": "array", "items": {"type": "string"}}}, "required": ["title", "tags"]}
+    text = _rambling_run(backend, StructuredSpec.json_schema(schema), max_tokens, 0)
+    assert set(json.loads(text)) == {"title", "tags"}
+
+
+def test_budget_steering_leaves_free_text_alone(backend: GrammarBackend) -> None:
+    # "auto" outside a call is already complete at every token: nothing to steer, no forced stop.
+    g = backend.matcher(auto_grammar([WEATHER]), start=0)
+    out = encode("The weather is")
+    fill_bitmask([g], [out], len(default_tokenizer()), [3])
+    assert not g.closing

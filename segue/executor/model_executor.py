@@ -187,7 +187,9 @@ class ModelExecutor(Executor):
         # Constrained requests (segue/structured): only rows that sample advance their grammar.
         grammars = [s.request.grammar for s in sampled_seqs]
         allowed = fill_bitmask(grammars, [s.request.output_token_ids for s in sampled_seqs],
-                               logits.shape[-1]) if any(grammars) else None
+                               logits.shape[-1],
+                               [s.request.sampling_params.max_tokens - s.request.num_generated_tokens
+                                for s in sampled_seqs]) if any(grammars) else None
         results = sample(logits, [s.request.sampling_params for s in sampled_seqs],
                          [s.request.num_output_tokens for s in sampled_seqs], allowed)
         tokens = {s.request.request_id: SampledToken(r.token_id, r.logprob, r.top)

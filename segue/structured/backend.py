@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from segue.sampling_params import InvalidRequestError
+from segue.structured.closing import ClosingSteer
 from segue.structured.request_grammar import RequestGrammar
 from segue.structured.spec import StructuredKind, StructuredSpec
 from segue.structured.tool_grammar import with_json_options
@@ -36,6 +37,7 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._ll_tokenizer: Any = None
+        self._steer: ClosingSteer | None = None
         self._cache: OrderedDict[StructuredSpec, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.stats = CompileStats()
@@ -49,6 +51,14 @@ class GrammarBackend:
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
                     self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_id)
             return self._ll_tokenizer
+
+    @property
+    def closing_steer(self) -> ClosingSteer:
+        tokenizer = self.ll_tokenizer
+        with self._lock:
+            if self._steer is None:
+                self._steer = ClosingSteer(tokenizer, self.vocab_size, self.eos_token_id)
+            return self._steer
 
     def _grammar_text(self, spec: StructuredSpec) -> str:
         from llguidance import LLMatcher
@@ -96,4 +106,5 @@ class GrammarBackend:
 
     def matcher(self, spec: StructuredSpec, start: int) -> RequestGrammar:
         """A fresh per-request matcher that constrains output tokens from index `start` on."""
-        return RequestGrammar(spec, self.compile(spec).deep_copy(), start, self.eos_token_id)
+        return RequestGrammar(spec, self.compile(spec).deep_copy(), start, self.eos_token_id,
+                              self.closing_steer)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from segue.structured.closing import _bit
 from segue.structured.request_grammar import RequestGrammar
 
 _executor: Any = None
@@ -24,10 +25,12 @@ def _ll_executor() -> Any:
 
 
 def fill_bitmask(grammars: list[RequestGrammar | None], outputs: list[list[int]],
-                 vocab_size: int) -> tuple[torch.Tensor, list[int]] | None:
+                 vocab_size: int, budgets: list[int] | None = None) -> tuple[torch.Tensor, list[int]] | None:
     """The allowed-token bitmask ([rows, ceil(V/32)] int32 on the CPU, bit set = allowed) of the
     rows that have a grammar, and those rows' indices; None when no row has one. Each grammar is
-    first advanced over its request's new output tokens (`outputs[i]`)."""
+    first advanced over its request's new output tokens (`outputs[i]`). `budgets[i]`: tokens
+    request i may still generate, this one included; rows near it are steered to close their
+    answer in time (segue.structured.closing)."""
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return None
@@ -49,12 +52,17 @@ def fill_bitmask(grammars: list[RequestGrammar | None], outputs: list[list[int]]
         matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
     elif live:
         _ll_executor().unsafe_compute_mask_ptr(live, mask.data_ptr(), words * 4, len(rows))
+    if budgets is not None:
+        for j, i in enumerate(rows):
+            g = grammars[i]
+            assert g is not None
+            if g.failed or g.steer is None:
+                continue
+            if not g.closing and g.steer.should_close(g.matcher, budgets[i]):
+                g.closing = True
+            if g.closing:
+                g.steer.narrow(g.matcher, mask[j])
     return mask, rows
-
-
-def _bit(k: int) -> int:
-    # int32 two's complement: bit 31 is the sign bit.
-    return (1 << k) - (1 << 32 if k == 31 else 0)
 
 
 _BIAS_TABLES: dict[torch.device, torch.Tensor] = {}

@@ -9,15 +9,19 @@ will generate (the appended tool result or user turn is context, not constrained
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from segue.structured.spec import StructuredSpec
+
+if TYPE_CHECKING:
+    from segue.structured.closing import ClosingSteer
 
 logger = logging.getLogger(__name__)
 
 
 class RequestGrammar:
-    def __init__(self, spec: StructuredSpec, matcher: Any, start: int, eos_token_id: int) -> None:
+    def __init__(self, spec: StructuredSpec, matcher: Any, start: int, eos_token_id: int,
+                 steer: ClosingSteer | None = None) -> None:
         self.spec = spec
         self.matcher = matcher
         # Index in output_token_ids of the first constrained token.
@@ -25,6 +29,9 @@ class RequestGrammar:
         self.num_consumed = 0
         self.eos_token_id = eos_token_id
         self.failed = False
+        # Budget-aware closing (segue.structured.closing): once set, stays set.
+        self.steer = steer
+        self.closing = False
 
     def sync(self, output_token_ids: list[int]) -> None:
         """Consume the output tokens not yet seen (normally the one sampled last step)."""
