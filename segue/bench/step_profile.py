@@ -17,6 +17,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (default: what a client that sends none gets, the "
+                        "model's recommended settings; 0 = greedy)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus (default: as --temperature)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,11 +31,14 @@ def run(args: argparse.Namespace) -> int:
     from segue.sampling_params import SamplingParams
 
     engine = LLMEngine(engine_config_from_args(args))
+    # Profile the sampling a server client gets: with no settings sent, the model's recommended ones.
+    sampling = dict(engine.generation_defaults)
+    sampling.update({k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None})
     rng = random.Random(args.seed)
     vocab = engine.model_config.vocab_size
     for _ in range(args.num_requests):
         prompt = [rng.randrange(1000, vocab - 1000) for _ in range(args.prompt_len)]
-        engine.add_request(None, prompt, SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True))
+        engine.add_request(None, prompt, SamplingParams(max_tokens=args.steps + 8, ignore_eos=True, **sampling))
     needed = args.num_requests * (args.prompt_len + args.steps + 8)
     pool = engine.scheduler.kv.device.num_blocks * engine.scheduler.kv.block_size
     if needed > pool:
@@ -79,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"decode step at batch {args.num_requests}, context ~{args.prompt_len}: {wall:.1f} ms wall "
           f"(cProfile on), {args.num_requests / wall * 1000:.0f} tok/s; torch threads {torch.get_num_threads()}; "
           f"{str(ex.dtype).removeprefix('torch.')}, quantization {ex.quantization.value}, "
-          f"fused CPU ops {'on' if ex.model.kernels is not None else 'off'}")
+          f"fused CPU ops {'on' if ex.model.kernels is not None else 'off'}; sampling {sampling or 'OpenAI defaults'}")
     print("| part | ms/step | share |\n|---|---:|---:|")
     for name, value in rows.items():
         print(f"| {name} | {value:.1f} | {value / wall:.0%} |")
