@@ -109,31 +109,39 @@ inline void load64(const c10::BFloat16* p, __m256* r) {  // bf16 is the top half
     r[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(u + i)), 16));
 }
 
+// Calls fn(row, pos) for each of a sequence's first ctx cached 64-wide rows of one head, walking
+// its block table.
+template <typename T, typename Fn>
+inline void for_each_row(const T* cache, const int64_t* table, int64_t ctx, int64_t head_base,
+                         int64_t block_size, Fn&& fn) {
+  for (int64_t pos0 = 0; pos0 < ctx; pos0 += block_size) {
+    const T* block = cache + head_base + table[pos0 / block_size] * block_size * 64;
+    const int64_t n = std::min(block_size, ctx - pos0);
+    for (int64_t i = 0; i < n; ++i) fn(block + i * 64, pos0 + i);
+  }
+}
+
 // Same contract as attend_one<T, 64>, but writes the normalized output to acc_out.
 template <typename T>
 void attend64(const float* qs, const T* kp, const T* vp, const int64_t* table, int64_t ctx, int64_t h,
               int64_t group, int64_t num_blocks, int64_t block_size, float scale, float* acc_out,
               std::vector<float>& scores) {
   scores.resize(group * ctx);
-  const int64_t row = block_size * 64, head_base = h * num_blocks * row;
-  for (int64_t pos0 = 0; pos0 < ctx; pos0 += block_size) {
-    const T* kb = kp + head_base + table[pos0 / block_size] * row;
-    const int64_t n = std::min(block_size, ctx - pos0);
-    for (int64_t i = 0; i < n; ++i) {
-      __m256 k[8];
-      load64(kb + i * 64, k);
-      for (int64_t g = 0; g < group; ++g) {
-        const float* q = qs + g * 64;
-        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]);
-        __m256 b = _mm256_mul_ps(_mm256_loadu_ps(q + 8), k[1]);
-        for (int j = 2; j < 8; j += 2) {
-          a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j), k[j], a);
-          b = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j + 8), k[j + 1], b);
-        }
-        scores[g * ctx + pos0 + i] = hsum(_mm256_add_ps(a, b)) * scale;
+  const int64_t head_base = h * num_blocks * block_size * 64;
+  for_each_row(kp, table, ctx, head_base, block_size, [&](const T* kr, int64_t pos) {
+    __m256 k[8];
+    load64(kr, k);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* q = qs + g * 64;
+      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]);
+      __m256 b = _mm256_mul_ps(_mm256_loadu_ps(q + 8), k[1]);
+      for (int j = 2; j < 8; j += 2) {
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j), k[j], a);
+        b = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j + 8), k[j + 1], b);
       }
+      scores[g * ctx + pos] = hsum(_mm256_add_ps(a, b)) * scale;
     }
-  }
+  });
   float inv[16];  // group <= 16, checked before the parallel region
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores.data() + g * ctx;
@@ -154,16 +162,12 @@ void attend64(const float* qs, const T* kp, const T* vp, const int64_t* table, i
     __m256 acc[8];
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
     const float* s = scores.data() + g * ctx;
-    for (int64_t pos0 = 0; pos0 < ctx; pos0 += block_size) {
-      const T* vb = vp + head_base + table[pos0 / block_size] * row;
-      const int64_t n = std::min(block_size, ctx - pos0);
-      for (int64_t i = 0; i < n; ++i) {
-        __m256 v[8];
-        load64(vb + i * 64, v);
-        const __m256 p = _mm256_set1_ps(s[pos0 + i]);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(p, v[j], acc[j]);
-      }
-    }
+    for_each_row(vp, table, ctx, head_base, block_size, [&](const T* vr, int64_t pos) {
+      __m256 v[8];
+      load64(vr, v);
+      const __m256 p = _mm256_set1_ps(s[pos]);
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(p, v[j], acc[j]);
+    });
     const __m256 vinv = _mm256_set1_ps(inv[g]);
     for (int j = 0; j < 8; ++j) _mm256_storeu_ps(acc_out + g * 64 + 8 * j, _mm256_mul_ps(acc[j], vinv));
   }
