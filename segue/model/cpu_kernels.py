@@ -18,6 +18,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "fused_ops.cpp", "quant_ops.cpp")]
+# Headers the sources include: part of the module's hash, not compiled on their own.
+_HEADERS = [Path(__file__).parent / "csrc" / "avx2_common.h"]
 
 
 # torch's builder waits for ever on a lock file that a killed build left behind; a real build of
@@ -29,7 +31,7 @@ def _module_name() -> str:
     """Named by a hash of the sources, so two checkouts with different kernels (or an upgrade) do
     not rebuild over each other's cache entry."""
     digest = hashlib.sha256()
-    for path in _SOURCES:
+    for path in _SOURCES + _HEADERS:
         digest.update(path.read_bytes())
     return f"segue_cpu_kernels_{digest.hexdigest()[:12]}"
 

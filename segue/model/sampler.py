@@ -171,39 +171,25 @@ def _sample_rows(
             x.index_copy_(0, sub, _filter_top_k_top_p(x.index_select(0, sub), ks, ps))
         probs = x.softmax(dim=-1)
 
-    out = torch.empty(len(rows), dtype=torch.long, device=device)
-
-    def draw(js: list[int]) -> None:
-        """Unseeded rows: one batched race per source (candidates / whole vocabulary)."""
-        if not js:
-            return
-        jidx = torch.tensor(js, device=device)
+    def draw(js: list[int], gen: torch.Generator | None = None) -> torch.Tensor:
+        """Token ids for rows `js`, which all sample from one source (candidates or vocabulary)."""
         if js[0] in cand_pos:
-            pos = torch.tensor([cand_pos[j] for j in js], device=device)
-            p = cand_probs.index_select(0, pos)
-            picked = cand_ids.index_select(0, pos).gather(1, _race(p, _exp_noise(p)).unsqueeze(1))
-            out.index_copy_(0, jidx, picked.squeeze(1))
-        else:
-            p = select(probs, [full_pos[j] for j in js])
-            out.index_copy_(0, jidx, _race(p, _exp_noise(p)))
+            pos = [cand_pos[j] for j in js]
+            p = select(cand_probs, pos)
+            return select(cand_ids, pos).gather(1, _race(p, _exp_noise(p, gen)).unsqueeze(1)).squeeze(1)
+        p = select(probs, [full_pos[j] for j in js])
+        return _race(p, _exp_noise(p, gen))
 
+    out = torch.empty(len(rows), dtype=torch.long, device=device)
     unseeded = [j for j, r in enumerate(rows) if params[r].seed is None]
-    draw([j for j in unseeded if j in cand_pos])
-    draw([j for j in unseeded if j not in cand_pos])
-
+    for js in ([j for j in unseeded if j in cand_pos], [j for j in unseeded if j not in cand_pos]):
+        if js:
+            out.index_copy_(0, torch.tensor(js, device=device), draw(js))
     for j, r in enumerate(rows):
-        seed = params[r].seed
-        if seed is None:
-            continue
-        gen = torch.Generator(device=device)
-        gen.manual_seed(_mix_seed(seed, positions[r]))
-        if j in cand_pos:
-            c = cand_pos[j]
-            p = cand_probs[c : c + 1]
-            out[j : j + 1] = cand_ids[c].index_select(0, _race(p, _exp_noise(p, gen)))
-        else:
-            p = probs[full_pos[j] : full_pos[j] + 1]
-            out[j : j + 1] = _race(p, _exp_noise(p, gen))
+        if params[r].seed is not None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(_mix_seed(params[r].seed, positions[r]))
+            out[j : j + 1] = draw([j], gen)
     return out
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from segue.structured.closing import _bit
+from segue.structured.closing import allow_only
 from segue.structured.request_grammar import RequestGrammar
 
 _executor: Any = None
@@ -42,8 +42,7 @@ def fill_bitmask(grammars: list[RequestGrammar | None], outputs: list[list[int]]
         assert g is not None
         g.sync(outputs[i])
         if g.failed:
-            eos = g.eos_token_id
-            mask[j, eos // 32] = _bit(eos % 32)
+            allow_only(mask[j], g.eos_token_id)
         else:
             live.append((g.matcher, j))
     if len(live) == 1:

@@ -107,8 +107,7 @@ class ClosingSteer:
     def narrow(self, matcher: Any, row: torch.Tensor) -> None:
         """Restrict one mask row (int32 words, in place) while closing."""
         if matcher.is_accepting():
-            row.zero_()
-            row[self.eos_token_id // 32] = _bit(self.eos_token_id % 32)
+            allow_only(row, self.eos_token_id)
             return
         words = row.numpy().view(np.uint32)  # shares memory with the row
         closing = self._choose(words)
@@ -117,6 +116,9 @@ class ClosingSteer:
             words[: closing.shape[0]] = closing
 
 
-def _bit(k: int) -> int:
+def allow_only(row: torch.Tensor, token: int) -> None:
+    """Set one mask row (int32 words, in place) to allow `token` alone."""
+    row.zero_()
+    k = token % 32
     # int32 two's complement: bit 31 is the sign bit.
-    return (1 << k) - (1 << 32 if k == 31 else 0)
+    row[token // 32] = (1 << k) - (1 << 32 if k == 31 else 0)

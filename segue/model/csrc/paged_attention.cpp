@@ -4,6 +4,7 @@
 // accumulate in fp32 whatever the storage type.
 #include <torch/extension.h>
 #include <omp.h>
+#include "avx2_common.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -74,13 +75,6 @@ static void attend_one(const float* qs, const T* kp, const T* vp, const int64_t*
 // loop above ran at a third of it (scalar softmax, a horizontal reduction per score, the output
 // row reloaded for every position).
 namespace avx2 {
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // e^x for x <= 0 (scores minus their max): Cephes' range reduction and degree-5 polynomial,
 // relative error ~2e-7, i.e. fp32 rounding.

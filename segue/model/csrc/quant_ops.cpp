@@ -8,6 +8,7 @@
 // batches are compute-bound and run the fp32 GEMM instead; the Python side picks).
 #include <torch/extension.h>
 #include <omp.h>
+#include "avx2_common.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -31,12 +32,6 @@ inline void decode_int4(const uint8_t* b, float* w) {
 }
 
 #ifdef __AVX2__
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 inline void decode_int8_avx(const int8_t* q, __m256* w) {
   for (int i = 0; i < 4; ++i)
     w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i))));
