@@ -9,6 +9,9 @@ class ConfigError(ValueError):
     pass
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -19,6 +22,10 @@ class CacheConfig:
     # Host pool for swapped-out KV, in tokens (0 disables swapping).
     swap_space_tokens: int = 65536
     enable_prefix_caching: bool = True
+    # Storage dtype of the KV cache: "auto" = the model's dtype. "bfloat16" under a float32 model
+    # halves the KV bytes, so the pool holds twice the tokens and decode attention (memory-bound:
+    # it reads every cached K/V row each step) reads half; scores still accumulate in fp32.
+    kv_cache_dtype: str = "auto"
     # Salt mixed into block hashes; tenants with different salts never share cached blocks.
     prefix_cache_salt: int = 0
 
@@ -31,6 +38,8 @@ class CacheConfig:
             raise ConfigError("kv_cache_bytes must be positive")
         if self.swap_space_tokens < 0:
             raise ConfigError("swap_space_tokens must be >= 0")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r} ({', '.join(KV_CACHE_DTYPES)})")
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from segue.config import QUANTIZATIONS, CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+from segue.config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -25,6 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="device KV pool size in tokens")
     g.add_argument("--kv-cache-bytes", type=int, default=None, help="device KV pool size in bytes (overrides tokens)")
     g.add_argument("--swap-space-tokens", type=int, default=CacheConfig.swap_space_tokens)
+    g.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="KV cache storage dtype (auto: the model's; bfloat16 under a float32 model halves "
+                        "KV memory and attention reads)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
@@ -49,6 +52,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                               generation_config=args.generation_config),
         cache=CacheConfig(block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
                           kv_cache_bytes=args.kv_cache_bytes, swap_space_tokens=args.swap_space_tokens,
+                          kv_cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,

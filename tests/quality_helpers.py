@@ -67,3 +67,32 @@ def perplexity(model: LlamaModel, ids: list[int]) -> float:
     logp = torch.log_softmax(full_logits(model, ids)[:-1], dim=-1)
     nll = -logp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean()
     return math.exp(float(nll))
+
+
+def decode_logits(model: LlamaModel, prompt: list[int], forced: list[int], kv_dtype: torch.dtype | None = None,
+                  block_size: int = 16) -> torch.Tensor:
+    """fp32 logits [len(forced), V]: row i predicts forced[i] from prompt + forced[:i], computed by
+    one decode step per token over a paged cache of `kv_dtype` (default: the model's). Unlike
+    full_logits, every position reads its context back from the cache, so a cache that stores less
+    precision than the model shows here."""
+    cfg, dev = model.config, model.device
+    blocks = cdiv(len(prompt) + len(forced), block_size)
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, blocks, 0, dev,
+                    kv_dtype or model.dtype)
+    table = torch.arange(blocks, device=dev)
+    p = len(prompt)
+    meta = AttentionMetadata(slot_mapping=torch.arange(p, device=dev))
+    meta.prefills = [PrefillChunk(0, p, 0, table[:cdiv(p, block_size)], None)]
+    hidden = model.forward(torch.tensor(prompt, device=dev), torch.arange(p, device=dev), meta, cache)
+    rows = [model.compute_logits(hidden[-1:]).float().cpu()]
+    for i, tok in enumerate(forced[:-1]):
+        pos = p + i
+        used = cdiv(pos + 1, block_size)
+        meta = AttentionMetadata(slot_mapping=torch.tensor([pos], device=dev), num_decodes=1,
+                                 decode_blocks=table[:used], decode_context_lens=torch.tensor([pos + 1], device=dev),
+                                 decode_kernel=model.kernels)
+        if model.kernels is None:
+            meta.decode_mask = (torch.arange(used * block_size, device=dev) <= pos).view(1, 1, 1, -1)
+        hidden = model.forward(torch.tensor([tok], device=dev), torch.tensor([pos], device=dev), meta, cache)
+        rows.append(model.compute_logits(hidden).float().cpu())
+    return torch.cat(rows)

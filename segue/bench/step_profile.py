@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     ex = engine.executor
     print(f"decode step at batch {args.num_requests}, context ~{args.prompt_len}: {wall:.1f} ms wall "
           f"(cProfile on), {args.num_requests / wall * 1000:.0f} tok/s; torch threads {torch.get_num_threads()}; "
-          f"{str(ex.dtype).removeprefix('torch.')}, quantization {ex.quantization.value}, "
+          f"{str(ex.dtype).removeprefix('torch.')}, KV cache {str(ex.kv_dtype).removeprefix('torch.')}, "
+          f"quantization {ex.quantization.value}, "
           f"fused CPU ops {'on' if ex.model.kernels is not None else 'off'}; sampling {sampling or 'OpenAI defaults'}")
     print("| part | ms/step | share |\n|---|---:|---:|")
     for name, value in rows.items():

@@ -246,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         "environment": {
             "model": engine.model_name, "device": describe_device(device),
             "dtype": str(engine.executor.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(engine.executor.kv_dtype).removeprefix("torch."),
             "quantization": engine.executor.quantization.value,
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(),

@@ -7,7 +7,7 @@ from collections.abc import Collection
 
 import torch
 
-from segue.config import CacheConfig
+from segue.config import CacheConfig, ConfigError
 from segue.executor.base import Executor, SampledToken
 from segue.kv.manager import cdiv
 from segue.model.attention import AttentionMetadata, PrefillChunk
@@ -83,8 +83,12 @@ class ModelExecutor(Executor):
                                 dense_above=DENSE_ABOVE_ROWS, head_dense_above=HEAD_DENSE_ABOVE_ROWS)
         cfg = ckpt.config
         self.block_size = cache.block_size
+        self.kv_dtype = dtype if cache.kv_cache_dtype == "auto" else _DTYPES[cache.kv_cache_dtype]
+        if self.kv_dtype != dtype and not (dtype == torch.float32 and self.kv_dtype == torch.bfloat16):
+            raise ConfigError(f"kv_cache_dtype {cache.kv_cache_dtype} under a {str(dtype).removeprefix('torch.')} "
+                              "model: the cache takes the model's dtype, or bfloat16 under float32")
         block_bytes = KVCache.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                              cache.block_size, dtype)
+                                              cache.block_size, self.kv_dtype)
         if cache.kv_cache_bytes is not None:
             self.num_device_blocks = max(1, cache.kv_cache_bytes // block_bytes)
         else:
@@ -95,13 +99,14 @@ class ModelExecutor(Executor):
         # Seconds the last step spent copying KV between host and device (swap-stall waste).
         self.last_swap_seconds = 0.0
         self.kv_cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache.block_size,
-                                self.num_device_blocks, self.num_host_blocks, device, dtype)
+                                self.num_device_blocks, self.num_host_blocks, device, self.kv_dtype)
         # Requests whose next sampled token should carry its hidden state (want_hidden_states).
         self._hidden_for: frozenset[str] = frozenset()
         self.decode_kernel = kernels
-        logger.info("KV cache: %d device blocks (%d tokens, %.0f MiB), %d host blocks",
+        logger.info("KV cache: %d device blocks (%d tokens, %.0f MiB, %s), %d host blocks",
                     self.num_device_blocks, self.num_device_blocks * cache.block_size,
-                    self.num_device_blocks * block_bytes / 2**20, self.num_host_blocks)
+                    self.num_device_blocks * block_bytes / 2**20, str(self.kv_dtype).removeprefix("torch."),
+                    self.num_host_blocks)
 
     def _build_metadata(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size

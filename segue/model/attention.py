@@ -48,8 +48,8 @@ def _decode_attention(q: torch.Tensor, cache: KVCache, layer: int, meta: Attenti
     kvh = kc.shape[0]
     # [kvh, nd * blocks, block, hd] -> [nd, kvh, ctx, hd] as strided views; SDPA picks the fused
     # kernel for the device (flash / memory-efficient on CUDA) and groups heads itself.
-    k = kc.index_select(1, meta.decode_blocks).view(kvh, nd, -1, hd).transpose(0, 1)
-    v = vc.index_select(1, meta.decode_blocks).view(kvh, nd, -1, hd).transpose(0, 1)
+    k = kc.index_select(1, meta.decode_blocks).to(q.dtype).view(kvh, nd, -1, hd).transpose(0, 1)
+    v = vc.index_select(1, meta.decode_blocks).to(q.dtype).view(kvh, nd, -1, hd).transpose(0, 1)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask,
                                          scale=scale, enable_gqa=True)   # [nd, nh, 1, hd]
     return out.reshape(nd, nh * hd)
@@ -67,8 +67,8 @@ def _prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
         ctx = chunk.mask.shape[-1]
         kc, vc = cache.k[layer], cache.v[layer]
         kvh = kc.shape[0]
-        k = kc.index_select(1, chunk.block_ids).view(kvh, -1, hd)[:, :ctx].unsqueeze(0)
-        v = vc.index_select(1, chunk.block_ids).view(kvh, -1, hd)[:, :ctx].unsqueeze(0)
+        k = kc.index_select(1, chunk.block_ids).to(q.dtype).view(kvh, -1, hd)[:, :ctx].unsqueeze(0)
+        v = vc.index_select(1, chunk.block_ids).to(q.dtype).view(kvh, -1, hd)[:, :ctx].unsqueeze(0)
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1).reshape(n, nh * hd)
 

@@ -37,8 +37,8 @@ class KVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """k, v: [T, kv_head, dim] for the tokens of this step, stored at their slots."""
         ks, vs = self.layer_slots(layer)
-        ks.index_copy_(1, slot_mapping, k.transpose(0, 1))
-        vs.index_copy_(1, slot_mapping, v.transpose(0, 1))
+        ks.index_copy_(1, slot_mapping, k.transpose(0, 1).to(ks.dtype))
+        vs.index_copy_(1, slot_mapping, v.transpose(0, 1).to(vs.dtype))
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks: mapping is [(device_id, host_id)]."""

@@ -61,8 +61,10 @@ static inline void rotate_half(T* x, const float* c, const float* s, int64_t hal
   }
 }
 
-template <typename T>
-static void rope_and_cache_impl(T* qkv, const int64_t* pos, const float* cos, const float* sin, T* kc, T* vc,
+// T: the activations' dtype; C: the cache's (bf16 under an fp32 model halves the bytes that every
+// decode step's attention reads).
+template <typename T, typename C>
+static void rope_and_cache_impl(T* qkv, const int64_t* pos, const float* cos, const float* sin, C* kc, C* vc,
                                 const int64_t* slots, int64_t rows, int64_t nh, int64_t kvh, int64_t hd,
                                 int64_t cache_slots) {
   const int64_t half = hd / 2, width = (nh + 2 * kvh) * hd;
@@ -76,8 +78,12 @@ static void rope_and_cache_impl(T* qkv, const int64_t* pos, const float* cos, co
     const T* k = row + nh * hd;
     const T* v = k + kvh * hd;
     for (int64_t h = 0; h < kvh; ++h) {
-      std::copy(k + h * hd, k + (h + 1) * hd, kc + (h * cache_slots + slot) * hd);
-      std::copy(v + h * hd, v + (h + 1) * hd, vc + (h * cache_slots + slot) * hd);
+      C* kd = kc + (h * cache_slots + slot) * hd;
+      C* vd = vc + (h * cache_slots + slot) * hd;
+      for (int64_t d = 0; d < hd; ++d) {
+        kd[d] = static_cast<C>(k[h * hd + d]);
+        vd[d] = static_cast<C>(v[h * hd + d]);
+      }
     }
   }
 }
@@ -94,18 +100,28 @@ void rope_and_cache(torch::Tensor qkv,           // [T, (heads + 2 * kv_heads) *
               "rope_and_cache: qkv and the cache must be contiguous");
   TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
               cos.is_contiguous() && sin.is_contiguous(), "rope_and_cache: cos/sin must be contiguous fp32");
-  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type(), "rope_and_cache: qkv and cache dtypes differ");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "rope_and_cache: K and V caches differ in dtype");
+  const bool bf16_cache = qkv.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16_cache || qkv.scalar_type() == k_cache.scalar_type(),
+              "rope_and_cache: the cache must have qkv's dtype (or bf16 under fp32)");
   const int64_t hd = k_cache.size(3);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * hd && cos.size(1) * 2 == hd,
               "rope_and_cache: shapes do not match the head layout");
   positions = positions.contiguous();
   slot_mapping = slot_mapping.contiguous();
   const int64_t cache_slots = k_cache.size(1) * k_cache.size(2);
+  if (bf16_cache) {
+    rope_and_cache_impl<float, c10::BFloat16>(
+        qkv.data_ptr<float>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+        k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), slot_mapping.data_ptr<int64_t>(),
+        qkv.size(0), num_heads, num_kv_heads, hd, cache_slots);
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_and_cache", [&] {
-    rope_and_cache_impl<scalar_t>(qkv.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
-                                  sin.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                  slot_mapping.data_ptr<int64_t>(), qkv.size(0), num_heads, num_kv_heads, hd,
-                                  cache_slots);
+    rope_and_cache_impl<scalar_t, scalar_t>(qkv.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                                            sin.data_ptr<float>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                            slot_mapping.data_ptr<int64_t>(), qkv.size(0), num_heads, num_kv_heads, hd,
+                                            cache_slots);
   });
 }
 

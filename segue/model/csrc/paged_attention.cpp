@@ -170,7 +170,8 @@ void attend64(const float* qs, const T* kp, const T* vp, const int64_t* table, i
 }  // namespace avx2
 #endif
 
-template <typename T>
+// T: the queries' and output's dtype; C: the cache's (bf16 under fp32 queries halves the bytes read).
+template <typename T, typename C>
 static void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
                                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                                   const torch::Tensor& context_lens, float scale, torch::Tensor& out) {
@@ -178,8 +179,8 @@ static void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* cl = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
@@ -197,9 +198,9 @@ static void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k
       std::fill(acc.begin(), acc.end(), 0.f);
       const int64_t* table = bt + s * max_blocks;
 #ifdef __AVX2__
-      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>) {
         if (dim == 64) {
-          avx2::attend64<T>(qf.data(), kp, vp, table, cl[s], h, group, num_blocks, block_size, scale, acc.data(), scores);
+          avx2::attend64<C>(qf.data(), kp, vp, table, cl[s], h, group, num_blocks, block_size, scale, acc.data(), scores);
           T* os = op + (s * heads + h * group) * dim;
           for (int64_t i = 0; i < group * dim; ++i) os[i] = static_cast<T>(acc[i]);
           continue;
@@ -207,11 +208,11 @@ static void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k
       }
 #endif
       if (dim == 64)
-        attend_one<T, 64>(qf.data(), kp, vp, table, cl[s], h, group, dim, num_blocks, block_size, scale, acc.data(), scores, row_f);
+        attend_one<C, 64>(qf.data(), kp, vp, table, cl[s], h, group, dim, num_blocks, block_size, scale, acc.data(), scores, row_f);
       else if (dim == 128)
-        attend_one<T, 128>(qf.data(), kp, vp, table, cl[s], h, group, dim, num_blocks, block_size, scale, acc.data(), scores, row_f);
+        attend_one<C, 128>(qf.data(), kp, vp, table, cl[s], h, group, dim, num_blocks, block_size, scale, acc.data(), scores, row_f);
       else
-        attend_one<T, 0>(qf.data(), kp, vp, table, cl[s], h, group, dim, num_blocks, block_size, scale, acc.data(), scores, row_f);
+        attend_one<C, 0>(qf.data(), kp, vp, table, cl[s], h, group, dim, num_blocks, block_size, scale, acc.data(), scores, row_f);
       T* os = op + (s * heads + h * group) * dim;
       for (int64_t i = 0; i < group * dim; ++i) os[i] = static_cast<T>(acc[i]);
     }
@@ -224,17 +225,24 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [n, heads, 
                                      torch::Tensor block_tables,  // [n, max_blocks] int64
                                      torch::Tensor context_lens,  // [n] int64
                                      double scale) {
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_decode_attention: q and the cache must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode_attention: K and V caches differ in dtype");
+  const bool bf16_cache = q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16_cache || q.scalar_type() == k_cache.scalar_type(),
+              "paged_decode_attention: the cache must have q's dtype (or bf16 under fp32)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV cache must be contiguous");
   TORCH_CHECK(q.size(1) / k_cache.size(0) <= 16, "paged_decode_attention: more than 16 query heads per KV head");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   auto out = torch::empty_like(q);
+  if (bf16_cache) {
+    decode_attention_impl<float, c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens,
+                                                static_cast<float>(scale), out);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention_impl<scalar_t>(q, k_cache, v_cache, block_tables, context_lens,
-                                    static_cast<float>(scale), out);
+    decode_attention_impl<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, context_lens,
+                                              static_cast<float>(scale), out);
   });
   return out;
 }
