@@ -7,6 +7,7 @@ long step never blocks the event loop and no lock is held across a forward pass.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections import deque
@@ -75,8 +76,12 @@ class AsyncLLMEngine:
             except Exception as e:  # reaches this request's caller only
                 self._deliver(e, rid)
         self._submit(add)
-        async for item in self._consume(rid, queue):
-            yield item
+        # aclosing: when this generator is closed at its yield, the consumer closes (and aborts the
+        # request) now; a bare `async for` leaves that to the consumer's finalizer, which waits for
+        # the garbage collector whenever a reference cycle holds it: seconds generating for nobody.
+        async with contextlib.aclosing(self._consume(rid, queue)) as outputs:
+            async for item in outputs:
+                yield item
 
     async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None = None) -> None:
         """End the interception of a paused request whose stream is still open (a server-side
@@ -110,8 +115,9 @@ class AsyncLLMEngine:
         except BaseException:
             self._streams.pop(request_id, None)
             raise
-        async for item in self._consume(request_id, queue):
-            yield item
+        async with contextlib.aclosing(self._consume(request_id, queue)) as outputs:
+            async for item in outputs:
+                yield item
 
     def detach(self, request_id: str) -> None:
         """Keep a paused request alive when its stream closes (a session holds it for a later
@@ -215,6 +221,8 @@ class AsyncLLMEngine:
         if isinstance(output, BaseException) or output.finished:
             del self._streams[rid]
         loop, queue = stream
+        if loop.is_closed():
+            return  # the caller's event loop ended (asyncio.run per call): nobody reads this stream
         loop.call_soon_threadsafe(queue.put_nowait, output)
 
     def _run(self) -> None:

@@ -14,6 +14,7 @@ from conftest import make_tiny_checkpoint
 from segue.async_engine import AsyncLLMEngine
 from segue.config import EngineConfig, ModelLoadConfig
 from segue.engine import LLMEngine
+from segue.sampling_params import SamplingParams
 from segue.server.app import create_app
 from test_server_support import ServerThread
 
@@ -269,6 +270,39 @@ def test_stream_disconnect_frees_kv(client: openai.OpenAI, model: str, engine: A
         assert _num_steps(engine) - steps < 100  # aborted, not run to its 400 tokens
     finally:
         undo()
+
+
+def test_closing_a_stream_at_its_yield_aborts_at_once(engine: AsyncLLMEngine) -> None:
+    """Closing generate() while it is parked at its yield (what a non-streaming response does when
+    its client leaves between two tokens) aborts the request inside aclose(), not whenever the
+    inner consumer is finalized: behind a reference cycle that waited for the garbage collector
+    and left the request generating for seconds (seen as a flaky disconnect test)."""
+    aborted: list[str] = []
+    original = engine.abort
+
+    def record(request_id: str) -> None:
+        aborted.append(request_id)
+        original(request_id)
+
+    async def close_after_first() -> list[str]:
+        gen = engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True),
+                              request_id="close-at-yield")
+        await gen.__anext__()
+        await gen.aclose()
+        seen = list(aborted)
+        # Stay on this loop until the abort has gone through the engine.
+        deadline = time.monotonic() + 10
+        while await engine.run_sync(lambda e: e.num_unfinished_requests):
+            assert time.monotonic() < deadline, "the aborted request is still running"
+            await asyncio.sleep(0.02)
+        return seen
+
+    engine.abort = record  # type: ignore[method-assign]
+    try:
+        assert asyncio.run(close_after_first()) == ["close-at-yield"]
+    finally:
+        del engine.abort
+    wait_idle(engine)
 
 
 def test_non_stream_disconnect_frees_kv(server: ServerThread, model: str, engine: AsyncLLMEngine) -> None:

@@ -185,7 +185,8 @@ class ProgramExecutor:
             objective = program.graph.deduce().get(call.id, CallObjective())
             call.priority, call.task_group = objective.priority, objective.task_group
             call.criteria = objective.criteria.value if objective.criteria else None
-            text = await asyncio.wait_for(self._generate(program, call, values), self.call_timeout_s)
+            async with asyncio.timeout(self.call_timeout_s):  # not wait_for: see server.limits.Deadline
+                text = await self._generate(program, call, values)
             call.output.set(apply_all(call.spec.transforms, text))
             call.state = CallState.DONE
             call.times["done"] = time.monotonic()
