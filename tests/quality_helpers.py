@@ -29,25 +29,7 @@ def full_logits(model: LlamaModel, ids: list[int], block_size: int = 16, last_on
 
 def greedy_continuation(model: LlamaModel, prompt: list[int], n: int, block_size: int = 16) -> list[int]:
     """The model's greedy continuation: one prefill, then one decode step per token over the cache."""
-    cfg, dev = model.config, model.device
-    blocks = cdiv(len(prompt) + n, block_size)
-    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, blocks, 0, dev, model.dtype)
-    table = torch.arange(blocks, device=dev)
-    p = len(prompt)
-    meta = AttentionMetadata(slot_mapping=torch.arange(p, device=dev))
-    meta.prefills = [PrefillChunk(0, p, 0, table[:cdiv(p, block_size)], None)]
-    hidden = model.forward(torch.tensor(prompt, device=dev), torch.arange(p, device=dev), meta, cache)
-    out = [int(model.compute_logits(hidden[-1:]).argmax())]
-    for pos in range(p, p + n - 1):
-        used = cdiv(pos + 1, block_size)
-        meta = AttentionMetadata(slot_mapping=torch.tensor([pos], device=dev), num_decodes=1,
-                                 decode_blocks=table[:used], decode_context_lens=torch.tensor([pos + 1], device=dev),
-                                 decode_kernel=model.kernels)
-        if model.kernels is None:
-            meta.decode_mask = (torch.arange(used * block_size, device=dev) <= pos).view(1, 1, 1, -1)
-        hidden = model.forward(torch.tensor([out[-1]], device=dev), torch.tensor([pos], device=dev), meta, cache)
-        out.append(int(model.compute_logits(hidden).argmax()))
-    return out
+    return _decode_over_cache(model, prompt, n, None, None, block_size).argmax(-1).tolist()
 
 
 def agreement(ref: LlamaModel, other: LlamaModel, prompts: list[list[int]], continuations: list[list[int]]) -> float:
@@ -75,8 +57,15 @@ def decode_logits(model: LlamaModel, prompt: list[int], forced: list[int], kv_dt
     one decode step per token over a paged cache of `kv_dtype` (default: the model's). Unlike
     full_logits, every position reads its context back from the cache, so a cache that stores less
     precision than the model shows here."""
+    return _decode_over_cache(model, prompt, len(forced), forced, kv_dtype, block_size)
+
+
+def _decode_over_cache(model: LlamaModel, prompt: list[int], n: int, forced: list[int] | None,
+                       kv_dtype: torch.dtype | None, block_size: int) -> torch.Tensor:
+    """fp32 logits [n, V] of one prefill of `prompt` and n - 1 decode steps over a paged cache,
+    fed `forced` (teacher forcing) or, without it, each step's own greedy token."""
     cfg, dev = model.config, model.device
-    blocks = cdiv(len(prompt) + len(forced), block_size)
+    blocks = cdiv(len(prompt) + n, block_size)
     cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, blocks, 0, dev,
                     kv_dtype or model.dtype)
     table = torch.arange(blocks, device=dev)
@@ -85,8 +74,9 @@ def decode_logits(model: LlamaModel, prompt: list[int], forced: list[int], kv_dt
     meta.prefills = [PrefillChunk(0, p, 0, table[:cdiv(p, block_size)], None)]
     hidden = model.forward(torch.tensor(prompt, device=dev), torch.arange(p, device=dev), meta, cache)
     rows = [model.compute_logits(hidden[-1:]).float().cpu()]
-    for i, tok in enumerate(forced[:-1]):
+    for i in range(n - 1):
         pos = p + i
+        tok = forced[i] if forced is not None else int(rows[-1].argmax())
         used = cdiv(pos + 1, block_size)
         meta = AttentionMetadata(slot_mapping=torch.tensor([pos], device=dev), num_decodes=1,
                                  decode_blocks=table[:used], decode_context_lens=torch.tensor([pos + 1], device=dev),
