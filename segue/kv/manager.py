@@ -42,10 +42,14 @@ class KVCacheManager(SwapMixin):
         # (write-backs run first, swap-outs last) lands on one out of order.
         self._host_deferred: list[KVBlock] = []
         self._host_writing: set[int] = set()
-        # Write-back (SGLang's write_back policy): a cached device block evicted while the step's
-        # swap budget has room is copied to the host tier instead of lost. The scheduler sets the
-        # budget each step and collects the copies (take_back_ups()).
-        self.back_up_budget = 0
+        # The host link's budget for this step, in blocks: swap-ins, swap-outs and write-backs all
+        # draw from it, so together they copy no more than hides behind the step's compute. The
+        # scheduler opens it each step (open_link) and take_back_ups() closes it.
+        self.link_budget = 0
+        # Write-back (SGLang's write_back policy): a cached device block evicted while the link
+        # budget has room is copied to the host tier instead of lost; only once the scheduler has
+        # planned the swaps that come first (open_write_backs()).
+        self._write_backs_open = False
         self._back_ups: list[tuple[int, int]] = []
         self._backed_up: list[KVBlock] = []
         if self.host is not None and enable_prefix_caching:

@@ -23,6 +23,16 @@ class SwapMixin:
     # moves the front of the host part to the end of the device part. Either can stop after any
     # block, so a context moves in budgeted chunks across steps. Shared blocks never move: they
     # free nothing, and a later swap-in would duplicate what the device still holds.
+    def open_link(self, blocks: int) -> None:
+        """A step begins: its copies may move `blocks` blocks in all. Write-backs wait for
+        open_write_backs(), so that the swaps planned first take their share before them."""
+        self.link_budget = blocks
+        self._write_backs_open = False
+
+    def open_write_backs(self) -> None:
+        """Cached device blocks evicted from now on are written back within what is left."""
+        self._write_backs_open = True
+
     def num_device_blocks_of(self, request_id: str) -> int:
         return len(self.tables.get(request_id, ()))
 
@@ -64,6 +74,7 @@ class SwapMixin:
         self.host_tables[rid] = host_blocks + self.host_tables.get(rid, [])
         self._swapping_out.extend(reversed(moving))
         self._num_registered[rid] = min(self._num_registered.get(rid, 0), start)
+        self.link_budget -= len(copies)
         return copies
 
     def release_swapped_out(self) -> None:
@@ -85,20 +96,21 @@ class SwapMixin:
             self._host_deferred = []
 
     def _back_up(self, block: KVBlock) -> None:
-        if self.back_up_budget <= 0 or self.host.lookup(block.block_hash, block.token_ids) is not None:
+        if not self._write_backs_open or self.link_budget <= 0:
             return
-        if not self.host.num_free_blocks:
+        if self.host.lookup(block.block_hash, block.token_ids) is not None or not self.host.num_free_blocks:
             return
         hb = self.host.allocate(1)[0]
-        self.back_up_budget -= 1
+        self.link_budget -= 1
         self._back_ups.append((block.block_id, hb.block_id))
         self._host_pending.append((hb, block.block_hash, block.token_ids))
         self._backed_up.append(hb)
 
     def take_back_ups(self) -> list[tuple[int, int]]:
-        """This step's write-back copies (device, host); the budget ends with the step."""
+        """This step's write-back copies (device, host); the link budget ends with the step."""
         out, self._back_ups = self._back_ups, []
-        self.back_up_budget = 0
+        self.link_budget = 0
+        self._write_backs_open = False
         return out
 
     def swap_in_blocks(self, request: Request, max_blocks: int) -> list[tuple[int, int]]:
@@ -110,6 +122,10 @@ class SwapMixin:
         if self.host is None or not host_table or max_blocks <= 0:
             return []
         copies, new_blocks = [], []
+        # The swap-in claims its copies from the link before it allocates: a cached block that an
+        # allocation evicts is written back only within what is left after them. The part it
+        # does not use is given back below.
+        self.link_budget -= max_blocks
         for hb in host_table:
             dev = self.device.lookup(hb.block_hash, hb.token_ids) if hb.block_hash is not None else None
             if dev is not None:
@@ -120,6 +136,7 @@ class SwapMixin:
             else:
                 break
             new_blocks.append(dev)
+        self.link_budget += max_blocks - len(copies)
         n = len(new_blocks)
         if n == 0:
             return []

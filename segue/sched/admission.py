@@ -237,7 +237,7 @@ def _load_host_hits(sched: SchedulerState, req: Request, device_hits: list[KVBlo
     host_hits = sched.kv.get_host_hits(req, len(device_hits))
     if not host_hits:
         return False
-    budget = swap_budget_blocks(sched, out)
+    budget = swap_budget_blocks(sched)
     free = sched.kv.num_free_blocks - sum(1 for b in device_hits if b.ref_cnt == 0)
     if budget <= 0 or free <= 0:
         return False

@@ -135,15 +135,18 @@ class PausedRequests:
         self.kv.release(req, reuse_at, self.cost.t_fwd_extra(self.kv.block_size))
         req.interception.disposition = Disposition.DISCARD
 
-    def plan(self, now: float, running_tokens: int, num_running: int, batch_tokens: int,
+    def plan(self, now: float, running_tokens: int, num_running: int,
              keep_free_blocks: int = 0) -> SwapPlan:
-        """Spend this step's swap limit: swap-in for resumed requests first (in `swapped` order;
-        they are ready to run) without going below `keep_free_blocks` free device blocks, the rest
-        as the swap-out budget the policy hands to paused requests."""
+        """Spend this step's link budget (kv.link_budget, opened by the scheduler) first: swap-in
+        for resumed requests (in `swapped` order; they are ready to run) without going below
+        `keep_free_blocks` free device blocks, the rest as the swap-out budget the policy hands
+        to paused requests. What is left goes to the rest of the step's copies."""
         plan = SwapPlan(ready=self._landing)
         self._landing = []
         bs = self.kv.block_size
-        limit_blocks = max(1, self.cost.swap_limit(batch_tokens) // bs)
+        # At least one block, so that a swap-in progresses on a link too slow for a whole block
+        # per step. No write-back draws on the budget yet, so this tracks kv.link_budget.
+        limit_blocks = max(1, self.kv.link_budget)
         for req in list(self.swapped):
             room = self.kv.num_free_blocks - keep_free_blocks
             if keep_free_blocks and room < self.kv.num_host_blocks_of(req.request_id):

@@ -31,7 +31,7 @@ def make_room(sched: SchedulerState, head: Request, need: int, out: SchedulerOut
         return Room.NONE
     holders = holders_below(sched, head, partly_swapped_in=True)
     # Whole victims: a request left half on the device could not run and would hold memory.
-    budget = swap_budget_blocks(sched, out)
+    budget = swap_budget_blocks(sched)
     chosen, room = [], 0
     for victim in sched.policy.preemption_order(holders, sched.now):
         # Only blocks it holds alone: a shared prefix stays for the requests that share it.
@@ -59,22 +59,26 @@ def holders_below(sched: SchedulerState, req: Request, partly_swapped_in: bool) 
     return [r for r in candidates if r is not req and sched.policy.key(r, sched.now) > key]
 
 
-def swap_budget_blocks(sched: SchedulerState, out: SchedulerOutput) -> int:
-    """Blocks the link can still copy behind this step's compute."""
-    return (sched.cost.swap_limit(sched.last_batch_tokens) // sched.kv.block_size
-            - len(out.blocks_to_swap_in) - len(out.blocks_to_swap_out))
+def swap_budget_blocks(sched: SchedulerState) -> int:
+    """Blocks the link can still copy behind this step's compute: what this step's swap-ins,
+    swap-outs and write-backs so far have left of its budget (KVCacheManager.link_budget)."""
+    return sched.kv.link_budget
 
 
 def swap_out(sched: SchedulerState, req: Request, max_blocks: int, out: SchedulerOutput) -> int:
     """Move up to max_blocks of a waiting or swapped request's device KV to the host; a waiting
     one joins the swapped requests (swapped back in before it runs again). Blocks moved."""
-    moved = sched.kv.swap_out_blocks(req, max_blocks)
+    before = sched.kv.num_host_blocks_of(req.request_id)
+    copies = sched.kv.swap_out_blocks(req, max_blocks)
+    # Counted on the host table, not the copies: a block the host tier still holds moves
+    # without a copy, and the request must leave the waiting queue all the same.
+    moved = sched.kv.num_host_blocks_of(req.request_id) - before
     if moved and req.status != RequestStatus.SWAPPED:
         sched.waiting.remove(req)
         req.status = RequestStatus.SWAPPED
         sched.paused.swapped.append(req)
-    out.blocks_to_swap_out += moved
-    return len(moved)
+    out.blocks_to_swap_out += copies
+    return moved
 
 
 def keep_reserve(sched: SchedulerState, out: SchedulerOutput, reserve: int, now: float) -> None:
@@ -82,7 +86,7 @@ def keep_reserve(sched: SchedulerState, out: SchedulerOutput, reserve: int, now:
     room for the swapped request expected to run soonest when it outranks a resident one, by
     swapping out the requests that wait the longest, within what the link moves during this
     step so the copies hide behind its compute. Requests go out whole or not at all."""
-    budget = swap_budget_blocks(sched, out)
+    budget = swap_budget_blocks(sched)
     if budget <= 0 or sched.kv.host is None or sched.kv.host.num_free_blocks == 0:
         return  # nothing can move this step; ranking an overloaded queue would be wasted work
     on_host = [r for r in sched.paused.swapped if sched.kv.num_host_blocks_of(r.request_id)]

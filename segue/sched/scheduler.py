@@ -107,13 +107,13 @@ class Scheduler(SchedulerState):
         if self.policy.preemptive and self.kv.num_free_blocks > keep_free:
             # Swap in first whoever the policy expects to run soonest (no room: no swap-in to order).
             self.paused.swapped[:] = reversed(self.policy.preemption_order(self.paused.swapped, now))
-        plan = self.paused.plan(now, running_tokens, len(self.running), self.last_batch_tokens,
-                                keep_free_blocks=keep_free)
+        # One budget for every copy of the step: the paused requests' swaps are planned first,
+        # then host-tier hits, preemptive swap-outs and write-backs of evicted cached blocks
+        # take what is left, in the order the step reaches them.
+        self.kv.open_link(self.cost.swap_limit(self.last_batch_tokens) // self.kv.block_size)
+        plan = self.paused.plan(now, running_tokens, len(self.running), keep_free_blocks=keep_free)
         out.blocks_to_swap_out, out.blocks_to_swap_in = plan.swap_out, plan.swap_in
-        # What the link can still copy behind this step's compute goes to write-backs of evicted
-        # cached blocks into the host tier.
-        self.kv.back_up_budget = max(0, self.cost.swap_limit(self.last_batch_tokens) // self.kv.block_size
-                                     - len(plan.swap_in) - len(plan.swap_out))
+        self.kv.open_write_backs()
         for req in plan.ready:
             req.status = RequestStatus.WAITING
             self.waiting.append(req)

@@ -1,0 +1,115 @@
+"""One link budget per step (issue 26): every copy between the device and the host tier (swap-ins
+of resumed requests and of host-tier prefix hits, swap-outs, write-backs of evicted cached
+blocks) draws from the same per-step budget, what the link moves behind the step's compute. The
+KV invariants are checked after every step (test_kv_tiers.step) and the fake executor checks
+every KV slot a step reads."""
+from __future__ import annotations
+
+import random
+
+from test_kv_tiers import BS, make, run_until_generated, step
+from segue.request import Request, RequestStatus
+from segue.sampling_params import SamplingParams
+
+
+def link_blocks(sched) -> int:
+    """The budget the next step's copies must stay within, in blocks."""
+    return sched.cost.swap_limit(sched.last_batch_tokens) // BS
+
+
+def copies(out) -> int:
+    return len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out) + len(out.blocks_to_back_up)
+
+
+def checked_step(sched, ex, now: float):
+    budget = link_blocks(sched)
+    out, got = step(sched, ex, now)
+    # A swap-in always moves at least one block, so a request progresses on a link too slow
+    # for a whole block per step.
+    assert copies(out) <= max(budget, 1), (copies(out), budget)
+    return out, got
+
+
+def test_host_hit_swap_ins_and_write_backs_share_the_budget():
+    """A host-tier hit's swap-ins allocate device blocks, which evicts cached blocks that get
+    written back: both kinds of copy in one step, within one budget (before: each had a whole
+    budget of its own, twice the link's capacity)."""
+    sched, ex = make("min-waste", device_blocks=10, host_blocks=20)
+    a = Request("a", list(range(24)), SamplingParams(max_tokens=2), 0.0)
+    sched.add_request(a)
+    now = run_until_generated(sched, ex, a, 2, 0.0)
+    big = Request("big", list(range(500, 538)), SamplingParams(max_tokens=2), now)
+    sched.add_request(big)
+    while not big.is_finished:  # evicts a's blocks into the host tier (a fast link: all of them)
+        now += 0.01
+        step(sched, ex, now)
+    assert sched.kv.device.num_cached_free_blocks >= 9 and sched.kv.host.num_cached_free_blocks >= 6
+    # Now a slow link: three blocks a step behind a decode's compute.
+    sched.cost.swap_bytes_per_s = 3 * BS * sched.cost.kv_bytes_per_token / sched.cost.t_fwd(sched.last_batch_tokens)
+    assert link_blocks(sched) == 3
+    c = Request("c", list(range(24)) + [9], SamplingParams(max_tokens=3), now)
+    sched.add_request(c)
+    now += 0.01
+    out, _ = checked_step(sched, ex, now)
+    assert c.status is RequestStatus.SWAPPED and out.blocks_to_swap_in  # the host hit is loading
+    # Swap-ins come first; write-backs get only what they leave.
+    assert len(out.blocks_to_swap_in) == 3 and not out.blocks_to_back_up
+    while not c.is_finished:
+        now += 0.01
+        checked_step(sched, ex, now)
+        assert sched.last_step_recompute_tokens == 0
+
+
+def test_no_step_copies_more_than_the_link_budget_under_load():
+    """Agents that share a prompt prefix, pause for tools and come back, on a small pool with a
+    host tier and a link that moves a few blocks a step: swap-ins, swap-outs, host hits and
+    write-backs all happen, and no step copies more than the budget."""
+    rng = random.Random(3)
+    sched, ex = make("min-waste", device_blocks=24, host_blocks=48, budget=32)
+    cost = sched.cost
+    cost.swap_bytes_per_s = 4 * BS * cost.kv_bytes_per_token / cost.t_fwd(1)  # ~4 blocks a step
+    prefix = list(range(200, 220))
+    reqs, now, kinds = [], 0.0, set()
+    for i in range(12):
+        r = Request(f"r{i}", prefix + [rng.randrange(1, 50) for _ in range(rng.randint(2, 14))],
+                    SamplingParams(max_tokens=rng.randint(4, 12)), now)
+        sched.add_request(r)
+        reqs.append(r)
+    for _ in range(3000):
+        if all(r.is_finished for r in reqs):
+            break
+        now += 0.01
+        out, got = checked_step(sched, ex, now)
+        kinds.update(k for k in ("blocks_to_swap_in", "blocks_to_swap_out", "blocks_to_back_up") if getattr(out, k))
+        for r in got:
+            if not r.is_finished and r.status is RequestStatus.RUNNING and rng.random() < 0.15:
+                sched.intercept_request(r, now)
+        for r in list(sched.paused.paused.values()):
+            if rng.random() < 0.2:
+                sched.resume_request(r, [rng.randrange(1, 50)], now)
+    assert all(r.is_finished for r in reqs)
+    assert kinds == {"blocks_to_swap_in", "blocks_to_swap_out", "blocks_to_back_up"}
+
+
+def test_a_swap_out_that_copies_nothing_still_makes_the_request_swapped():
+    """A request swapped back in finds its host copies still cached in the host tier, so swapping
+    it out again moves its blocks without a copy: it must still leave the waiting queue (before:
+    it waited with its context on the host, and a later step ran it on a partial context)."""
+    from segue.sched.output import SchedulerOutput
+    from segue.sched.preemption import swap_out
+    sched, ex = make("preserve", device_blocks=10, host_blocks=20)
+    kv = sched.kv
+    a = Request("a", list(range(16)), SamplingParams(max_tokens=8), 0.0)
+    sched.add_request(a)
+    assert kv.allocate_slots(a, 16)
+    a.num_computed_tokens = 16
+    kv.cache_full_blocks(a)
+    kv.swap_out_blocks(a, 4)
+    kv.release_swapped_out()           # the host copies are published
+    kv.swap_in_blocks(a, 4)            # (the device cache still held them: shared, not copied)
+    kv.release_swapped_out()           # back on the device; the host tier keeps them cached
+    assert kv.num_host_blocks_of("a") == 0 and kv.host.num_cached_free_blocks == 4
+    out = SchedulerOutput()
+    assert swap_out(sched, a, 4, out) == 4 and out.blocks_to_swap_out == []
+    assert a.status is RequestStatus.SWAPPED and a in sched.paused.swapped and a not in sched.waiting
+    sched.check_invariants()
