@@ -209,6 +209,27 @@ class LLMEngine:
         state.metrics.finished_time = time.monotonic()
         return self._make_output(state)
 
+    # ---- a caller's hints about a paused request (the server's clients) -------------------
+    def expect_resume(self, request_id: str, after_s: float) -> bool:
+        """A caller's estimate of a paused request's pause: continued `after_s` seconds after it
+        began (math.inf: never), for the interception policy and the eviction order of its
+        blocks. False if it is not paused."""
+        state = self._states.get(request_id)
+        it = state.request.interception if state is not None else None
+        return it is not None and self.scheduler.set_expected_resume(request_id, it.t_call + after_s)
+
+    def abandon(self, request_id: str) -> bool:
+        """Nobody is expected to continue this paused request: its device memory goes back to the
+        pool now, its blocks stay findable in the prefix cache (Scheduler.abandon)."""
+        return self.scheduler.abandon(request_id)
+
+    def paused_token_ids(self, request_id: str) -> list[int] | None:
+        """The token ids a paused request holds (what a continuation extends); None if it is not
+        paused."""
+        state = self._states.get(request_id)
+        paused = state is not None and state.request.interception is not None
+        return list(state.request.all_token_ids) if paused else None
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

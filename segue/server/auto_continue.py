@@ -15,7 +15,7 @@ edited, tools changed, another tenant, the request gone) starts fresh from the f
 
 Held turns cost device memory only while a continuation is likely: each is announced to the
 scheduler with its expected resume time (the mean gap after which plain clients came back so far),
-released into the prefix cache (Scheduler.abandon: its blocks become evictable but stay findable,
+released into the prefix cache (LLMEngine.abandon: its blocks become evictable but stay findable,
 so a late continuation recomputes only what was evicted) after `auto_continue_release_s` idle, and
 aborted after `auto_continue_ttl_s`.
 
@@ -155,11 +155,10 @@ class AutoContinuation:
         gap = self.gap_s
 
         def apply(engine: Any) -> None:
-            sched = engine.scheduler
             for rid in announce:
-                sched.set_expected_resume(rid, engine.clock() + gap)
+                engine.expect_resume(rid, gap)
             for rid in release:
-                sched.abandon(rid)
+                engine.abandon(rid)
         await self.engine.run_sync(apply)
 
     async def run(self, period_s: float) -> None:

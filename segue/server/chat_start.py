@@ -53,8 +53,7 @@ async def _first(request: Request, deadline: Deadline, gen: Any) -> RequestOutpu
 
 def _held_tokens(request_id: str) -> Any:
     def read(engine: Any) -> list[int] | None:
-        req = engine.scheduler.requests.get(request_id)
-        return req.all_token_ids if req is not None and req.interception is not None else None
+        return engine.paused_token_ids(request_id)
     return read
 
 

@@ -221,15 +221,12 @@ class ChatTurn:
         return None
 
     async def _hint_duration(self, seconds: float) -> None:
-        """Stopgap until the engine takes a per-request duration hint: set it on the interception
-        that just began, so the policy's next decisions use the client's estimate."""
+        """The client's estimate of the pause that just began, so the policy's next decisions use it."""
         rid = self.request_id
 
-        def poke(engine: Any) -> None:
-            req = engine.scheduler.paused.paused.get(rid)
-            if req is not None and req.interception is not None:
-                req.interception.expected_duration = seconds
-        await self.ctx.engine.run_sync(poke)
+        def hint(engine: Any) -> None:
+            engine.expect_resume(rid, seconds)
+        await self.ctx.engine.run_sync(hint)
 
 
 def _ended_turn(out: RequestOutput) -> bool:
