@@ -88,11 +88,15 @@ class AsyncLLMEngine:
         tool finished): its outputs continue on that stream."""
         self._check_alive()
         loop = asyncio.get_running_loop()
+        # A new constraint compiles here, on a worker thread: on the engine thread a cold compile
+        # would stall every request in the batch.
+        compiled = (await loop.run_in_executor(None, self.engine.compile_grammar, params)
+                    if params is not None and params.structured is not None else None)
         done = loop.create_future()
 
         def op() -> None:
             try:
-                self.engine.resume(request_id, tokens, params)
+                self.engine.resume(request_id, tokens, params, compiled)
             except Exception as e:
                 loop.call_soon_threadsafe(done.set_exception, e)
             else:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from typing import Any
@@ -63,6 +64,8 @@ class LLMEngine:
         self.clock = time.monotonic
         self._states: dict[str, RequestState] = {}
         self._grammars: Any = None
+        # make_request runs on worker threads: two first constrained requests must share one backend.
+        self._grammars_lock = threading.Lock()
         # Sampling settings the model recommends, for callers (the server) whose clients name none.
         self.generation_defaults = generation_defaults(config.model.model, config.model.generation_config)
         self.num_steps = 0
@@ -81,12 +84,21 @@ class LLMEngine:
     def grammars(self) -> Any:
         """The constrained-decoding backend (segue.structured.backend), created on first use so
         engines that never see a constrained request never import the grammar library."""
-        if self._grammars is None:
-            from segue.structured.backend import GrammarBackend
-            eos = self.model_config.eos_token_ids
-            self._grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
-                                            eos[0] if eos else self.tokenizer.eos_token_id)
-        return self._grammars
+        with self._grammars_lock:
+            if self._grammars is None:
+                from segue.structured.backend import GrammarBackend
+                # Every end-of-turn token the generation config names may end a constrained answer.
+                eos = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
+                self._grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, eos)
+            return self._grammars
+
+    def compile_grammar(self, params: SamplingParams | None) -> Any:
+        """The compiled constraint of `params` (None if it has none). Safe from any thread: callers
+        compile before handing a resume to the engine thread (a cold compile would stall every
+        request there)."""
+        if params is None or params.structured is None:
+            return None
+        return self.grammars.compile(params.structured)
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -117,7 +129,8 @@ class LLMEngine:
                           priority=priority, program_id=program_id, cache_salt=cache_salt,
                           latency_sensitive=latency_sensitive)
         if params.structured is not None:
-            request.grammar = self.grammars.matcher(params.structured, start=0)
+            request.grammar = self.grammars.matcher(params.structured, start=0,
+                                                    output_limit=self.max_model_len - len(token_ids))
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
         return RequestState(request, text, detok, RequestMetrics(arrival_time=now),
                             [] if params.logprobs is not None else None, tool_parser=tool_parser,
@@ -163,24 +176,27 @@ class LLMEngine:
             expected_s = self.tool_stats.expected(tool)
         self.scheduler.intercept_request(req, self.clock(), tool, expected_s)
 
-    def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None = None) -> None:
+    def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None = None,
+               compiled: Any = None) -> None:
         """End a request's interception; `tokens` (the tool result, a user turn) join its context.
-        `params` replaces the sampling settings (a new turn); its max_tokens counts from here."""
+        `params` replaces the sampling settings (a new turn); its max_tokens counts from here.
+        `compiled`: params' constraint from compile_grammar(), which callers on another thread pass
+        so that nothing compiles here; without it a constraint of `params` is compiled here."""
         state = self._states.get(request_id)
         if state is None or state.request.interception is None:
             raise InvalidRequestError(f"request {request_id!r} is not paused")
         req = state.request
         if req.num_tokens + len(tokens) >= self.max_model_len:
             raise InvalidRequestError(f"resuming {request_id!r} would exceed the context window")
-        # New params bring their own constraint; otherwise the constraint's after-resume one applies.
-        previous = req.grammar.spec if req.grammar is not None else None
-        spec = params.structured if params is not None else (previous.after_resume if previous else None)
-        if spec is not None:
-            self.grammars.compile(spec)
+        # New params bring their own constraint; otherwise what the constraint says follows a
+        # resume applies (compiled with it: nothing to compile).
         if params is not None:
             params.validate()
+            if compiled is None:
+                compiled = self.compile_grammar(params)
             req.sampling_params = SamplingParams(**{**params.__dict__,
                                                     "max_tokens": req.num_generated_tokens + params.max_tokens})
+        previous = req.grammar
         state.tool_calls = None
         state.turn_end = None
         req.stop_reason = None
@@ -190,9 +206,13 @@ class LLMEngine:
         self.predictors.on_resume(req, len(tokens), self.clock())
         self._apply_oracle(req)
         self.scheduler.resume_request(req, list(tokens), self.clock())
-        # Constrains only what is generated from here on (compiled and checked before the pause
-        # ends: a cache hit).
-        req.grammar = self.grammars.matcher(spec, start=len(req.output_token_ids)) if spec is not None else None
+        # Constrains only what is generated from here on.
+        start = len(req.output_token_ids)
+        if params is not None:
+            req.grammar = (self.grammars.matcher(compiled, start, self.max_model_len - len(req.prompt_token_ids))
+                           if compiled is not None else None)
+        else:
+            req.grammar = previous.resumed(start) if previous is not None else None
         state.detokenizer = IncrementalDetokenizer(self.tokenizer, req.all_token_ids, req.sampling_params)
 
     def next_timer(self) -> float | None:

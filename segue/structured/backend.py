@@ -5,7 +5,9 @@ built once, lazily, by the first constrained request. A compiled grammar is kept
 matcher; each request gets a deep copy (microseconds), which is what makes the cache pay: the
 Earley tables and lexer built at compile time are shared, the parse state is the request's own.
 Compilation runs on the caller's thread (the server validates in a worker thread), never on the
-engine loop for a cached spec.
+engine loop: a spec compiles together with what constrains the output after a resume (Compiled.next),
+so a resume only copies a matcher it already holds, and a resume with new sampling params gets them
+compiled before it is queued to the engine (async_engine.py).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from segue.sampling_params import InvalidRequestError
 from segue.structured.closing import ClosingSteer
@@ -24,6 +26,16 @@ from segue.structured.tool_grammar import with_json_options
 MAX_CACHED_GRAMMARS = 512
 
 
+@dataclass(eq=False)
+class Compiled:
+    """A spec's pristine matcher, and the Compiled of what follows a resume (itself for a sticky
+    spec; None: unconstrained). Held by each request's grammar, so no cache eviction can ever make
+    a resume compile."""
+    spec: StructuredSpec
+    matcher: Any
+    next: Compiled | None = None
+
+
 @dataclass
 class CompileStats:
     compiles: int = 0
@@ -32,13 +44,19 @@ class CompileStats:
 
 
 class GrammarBackend:
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: int | Sequence[int]) -> None:
+        eos_token_ids = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
+        if not eos_token_ids:
+            raise ValueError("a grammar backend needs at least one end-of-sequence token")
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        # llguidance knows one end-of-sequence token (the first); a finished answer may end with any
+        # of them (Llama-3-Instruct ends a turn with <|eot_id|>, its eos[0] is <|end_of_text|>).
+        self.eos_token_ids = eos_token_ids
+        self.eos_token_id = self.eos_token_ids[0]
         self._ll_tokenizer: Any = None
         self._steer: ClosingSteer | None = None
-        self._cache: OrderedDict[StructuredSpec, Any] = OrderedDict()
+        self._cache: OrderedDict[StructuredSpec, Compiled] = OrderedDict()
         self._lock = threading.Lock()
         self.stats = CompileStats()
 
@@ -57,7 +75,7 @@ class GrammarBackend:
         tokenizer = self.ll_tokenizer
         with self._lock:
             if self._steer is None:
-                self._steer = ClosingSteer(tokenizer, self.vocab_size, self.eos_token_id)
+                self._steer = ClosingSteer(tokenizer, self.vocab_size, self.eos_token_ids)
             return self._steer
 
     def _grammar_text(self, spec: StructuredSpec) -> str:
@@ -70,12 +88,11 @@ class GrammarBackend:
             return LLMatcher.grammar_from_regex(spec.value)
         return LLMatcher.grammar_from_lark(spec.value)
 
-    def compile(self, spec: StructuredSpec) -> Any:
-        """The pristine matcher of `spec`; InvalidRequestError (a 400) for grammars or schema
-        features llguidance does not support. Compiles `after_resume` too, so that a resume never
-        compiles on the engine loop and never fails there."""
-        if spec.after_resume is not None:
-            self.compile(spec.after_resume)
+    def compile(self, spec: StructuredSpec) -> Compiled:
+        """The compiled `spec` (and what follows it after a resume); InvalidRequestError (a 400) for
+        grammars or schemas llguidance cannot compile."""
+        follow = spec.next_after_resume
+        after = self.compile(follow) if follow is not None and follow is not spec else None
         with self._lock:
             hit = self._cache.get(spec)
             if hit is not None:
@@ -97,15 +114,19 @@ class GrammarBackend:
         matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"unsupported {spec.kind.value} constraint: {matcher.get_error()}")
+        compiled = Compiled(spec, matcher, after)
+        if follow is spec:
+            compiled.next = compiled
         with self._lock:
             self.stats.compiles += 1
             self.stats.compile_seconds.append(time.perf_counter() - t0)
-            self._cache[spec] = matcher
+            self._cache[spec] = compiled
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
-        return matcher
+        return compiled
 
-    def matcher(self, spec: StructuredSpec, start: int) -> RequestGrammar:
-        """A fresh per-request matcher that constrains output tokens from index `start` on."""
-        return RequestGrammar(spec, self.compile(spec).deep_copy(), start, self.eos_token_id,
-                              self.closing_steer)
+    def matcher(self, spec: StructuredSpec | Compiled, start: int, output_limit: int | None = None) -> RequestGrammar:
+        """A fresh per-request matcher that constrains output tokens from index `start` on;
+        `output_limit`: output tokens the context window leaves the request (see RequestGrammar)."""
+        compiled = spec if isinstance(spec, Compiled) else self.compile(spec)
+        return RequestGrammar(compiled, start, self.eos_token_ids, self.closing_steer, output_limit)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from segue.structured.closing import allow_only
+from segue.structured.closing import allow_every_end, allow_only
 from segue.structured.request_grammar import RequestGrammar
 
 _executor: Any = None
@@ -29,8 +29,9 @@ def fill_bitmask(grammars: list[RequestGrammar | None], outputs: list[list[int]]
     """The allowed-token bitmask ([rows, ceil(V/32)] int32 on the CPU, bit set = allowed) of the
     rows that have a grammar, and those rows' indices; None when no row has one. Each grammar is
     first advanced over its request's new output tokens (`outputs[i]`). `budgets[i]`: tokens
-    request i may still generate, this one included; rows near it are steered to close their
-    answer in time (segue.structured.closing)."""
+    request i may still generate by its max_tokens, this one included; rows near it, or near the
+    end of the context window (RequestGrammar.budget), are steered to close their answer in time
+    (segue.structured.closing)."""
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return None
@@ -42,7 +43,7 @@ def fill_bitmask(grammars: list[RequestGrammar | None], outputs: list[list[int]]
         assert g is not None
         g.sync(outputs[i])
         if g.failed:
-            allow_only(mask[j], g.eos_token_id)
+            allow_only(mask[j], g.eos_token_ids)
         else:
             live.append((g.matcher, j))
     if len(live) == 1:
@@ -51,13 +52,15 @@ def fill_bitmask(grammars: list[RequestGrammar | None], outputs: list[list[int]]
         matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
     elif live:
         _ll_executor().unsafe_compute_mask_ptr(live, mask.data_ptr(), words * 4, len(rows))
+    for _, j in live:
+        allow_every_end(mask[j], grammars[rows[j]].eos_token_ids)  # type: ignore[union-attr]
     if budgets is not None:
         for j, i in enumerate(rows):
             g = grammars[i]
             assert g is not None
             if g.failed or g.steer is None:
                 continue
-            if not g.closing and g.steer.should_close(g.matcher, budgets[i]):
+            if not g.closing and g.steer.should_close(g.matcher, g.budget(budgets[i], len(outputs[i]))):
                 g.closing = True
             if g.closing:
                 g.steer.narrow(g.matcher, mask[j])

@@ -48,8 +48,8 @@ def _lowest_token(words: np.ndarray) -> int:
 class ClosingSteer:
     """Per tokenizer: the closer-token bitmask and the per-step steering of grammar rows."""
 
-    def __init__(self, ll_tokenizer: Any, vocab_size: int, eos_token_id: int) -> None:
-        self.eos_token_id = eos_token_id
+    def __init__(self, ll_tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.eos_token_ids = eos_token_ids
         words = (vocab_size + 31) // 32
         # Tokens starting with '"' close a string, but outside one they open the next; tokens
         # starting with '}' or ']' close an object or array, but inside a string they are text.
@@ -107,7 +107,7 @@ class ClosingSteer:
     def narrow(self, matcher: Any, row: torch.Tensor) -> None:
         """Restrict one mask row (int32 words, in place) while closing."""
         if matcher.is_accepting():
-            allow_only(row, self.eos_token_id)
+            allow_only(row, self.eos_token_ids)
             return
         words = row.numpy().view(np.uint32)  # shares memory with the row
         closing = self._choose(words)
@@ -116,9 +116,23 @@ class ClosingSteer:
             words[: closing.shape[0]] = closing
 
 
-def allow_only(row: torch.Tensor, token: int) -> None:
-    """Set one mask row (int32 words, in place) to allow `token` alone."""
-    row.zero_()
+def _set_bit(row: torch.Tensor, token: int) -> None:
     k = token % 32
     # int32 two's complement: bit 31 is the sign bit.
-    row[token // 32] = (1 << k) - (1 << 32 if k == 31 else 0)
+    row[token // 32] |= (1 << k) - (1 << 32 if k == 31 else 0)
+
+
+def allow_only(row: torch.Tensor, tokens: tuple[int, ...]) -> None:
+    """Set one mask row (int32 words, in place) to allow `tokens` alone."""
+    row.zero_()
+    for token in tokens:
+        _set_bit(row, token)
+
+
+def allow_every_end(row: torch.Tensor, eos_token_ids: tuple[int, ...]) -> None:
+    """Where llguidance allows its end-of-sequence token (eos_token_ids[0]: the answer may end),
+    allow every end-of-turn token the model's generation config names as well."""
+    first = eos_token_ids[0]
+    if len(eos_token_ids) > 1 and int(row[first // 32]) >> (first % 32) & 1:
+        for token in eos_token_ids[1:]:
+            _set_bit(row, token)

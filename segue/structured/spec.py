@@ -25,8 +25,17 @@ class StructuredSpec:
     value: str
     # The constraint of what the request generates after a resume (a tool result joined its
     # context): a forced tool call is followed by free text or further valid calls, not by another
-    # forced call, which would loop. None: unconstrained after a resume.
+    # forced call, which would loop. None: unconstrained after a resume (unless sticky).
     after_resume: StructuredSpec | None = None
+    # The same constraint again after every resume: "auto" tool calling (and "none") hold in every
+    # server-side tool round, not only the first. A flag rather than after_resume=self, which a
+    # frozen, hashable spec cannot refer to.
+    sticky: bool = False
+
+    @property
+    def next_after_resume(self) -> StructuredSpec | None:
+        """What constrains the output generated after a resume (see after_resume, sticky)."""
+        return self if self.sticky else self.after_resume
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool) -> StructuredSpec:
@@ -37,8 +46,8 @@ class StructuredSpec:
         return cls.json_schema({"type": "object"})
 
     @classmethod
-    def lark(cls, grammar: str, after_resume: StructuredSpec | None = None) -> StructuredSpec:
-        return cls(StructuredKind.LARK, grammar, after_resume)
+    def lark(cls, grammar: str, after_resume: StructuredSpec | None = None, sticky: bool = False) -> StructuredSpec:
+        return cls(StructuredKind.LARK, grammar, after_resume, sticky)
 
     @classmethod
     def regex(cls, pattern: str) -> StructuredSpec:

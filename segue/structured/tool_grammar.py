@@ -10,7 +10,13 @@ with fixed separators so a small model cannot wander off into unbounded whitespa
 - auto: free text that never contains the start marker, or free text followed by one call. The
   marker is the trigger: once the model writes it, the rest of the call is constrained, so "auto"
   can never produce a malformed call. The engine intercepts right after the end marker, so one call
-  per segment is all the grammar needs.
+  per segment is all the grammar needs. "auto" is sticky: every server-side tool round gets it again.
+- with an answer format (response_format beside tools, as OpenAI allows): the output is either one
+  call or an answer in the format, nothing before either (free text would not be in the format).
+
+Schemas are compiled leniently: keywords llguidance cannot enforce (uniqueItems, not, if/then, ...)
+are ignored by the grammar instead of refusing the request, and every call's arguments are then
+validated against the full schema with jsonschema (server/chat_tools.py, check_arguments).
 """
 from __future__ import annotations
 
@@ -21,7 +27,9 @@ from segue.structured.spec import StructuredSpec
 
 START, END = "<tool_call>", "</tool_call>"
 # Compact-but-readable separators, the ones the tool prompt's example uses.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# lenient: ignore the keywords llguidance does not implement (what pydantic emits for a set,
+# `not`, ...) rather than fail; an invalid schema (a bad "type") is still an error.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
 
 
 def with_json_options(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
@@ -65,13 +73,17 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _json(schema: dict[str, Any] | bool) -> str:
+    return "%json " + json.dumps(with_json_options(schema), ensure_ascii=False)
+
+
 def _call_rules(tools: list[dict[str, Any]]) -> str:
     alts, rules = [], []
     for i, tool in enumerate(tools):
         fn = tool.get("function", tool)
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         head = _lit('{"name": ' + json.dumps(fn["name"], ensure_ascii=False) + ', "arguments": ')
-        rules.append(f"call_{i}: {head} %json {json.dumps(with_json_options(params), ensure_ascii=False)} {_lit('}')}")
+        rules.append(f"call_{i}: {head} {_json(params)} {_lit('}')}")
         alts.append(f"call_{i}")
     return f"call: {_lit(START)} ({' | '.join(alts)}) {_lit(END)}\n" + "\n".join(rules) + "\n"
 
@@ -87,21 +99,28 @@ _TEXT = "TEXT: /(.|\\n)*/ & ~/(.|\\n)*" + START + "(.|\\n)*/\n"
 def no_call_grammar() -> StructuredSpec:
     """Free text without the start marker: for a conversation about tools in which no call may be
     made (tool_choice "none"). Small models imitate the calls in their history; unconstrained,
-    the answer would be call markup returned as text."""
-    return StructuredSpec.lark("start: TEXT\n" + _TEXT)
+    the answer would be call markup returned as text. Sticky, like "auto"."""
+    return StructuredSpec.lark("start: TEXT\n" + _TEXT, sticky=True)
 
 
-def auto_grammar(tools: list[dict[str, Any]]) -> StructuredSpec:
+def auto_grammar(tools: list[dict[str, Any]], answer: dict[str, Any] | bool | None = None) -> StructuredSpec:
+    """Text or one call; with `answer` (a JSON schema: the response_format), an answer in that
+    schema or one call. Both hold again after every resume (sticky)."""
+    if answer is not None:
+        return StructuredSpec.lark(f"start: answer | call\nanswer: {_json(answer)}\n" + _call_rules(tools),
+                                   sticky=True)
     lark = (f"start: TEXT | trigger call_rest\n"
             f"{_TEXT}"
             f"trigger[lazy]: /(.|\\n)*/ {_lit(START)}\n" + _forced_call_rules(tools))
-    return StructuredSpec.lark(lark)
+    return StructuredSpec.lark(lark, sticky=True)
 
 
-def forced_grammar(tools: list[dict[str, Any]], all_tools: list[dict[str, Any]] | None = None) -> StructuredSpec:
+def forced_grammar(tools: list[dict[str, Any]], all_tools: list[dict[str, Any]] | None = None,
+                   answer: dict[str, Any] | bool | None = None) -> StructuredSpec:
     """One call to any of `tools` (a single tool for a named tool_choice). After a resume (the
-    call's result joined the context) the model may answer in text or make further valid calls to
-    any of `all_tools` (default: `tools`)."""
+    call's result joined the context) the model may answer (in text, or in the `answer` schema)
+    or make further valid calls to any of `all_tools` (default: `tools`)."""
     if not tools:
         raise ValueError("a forced tool call needs at least one tool")
-    return StructuredSpec.lark("start: call\n" + _call_rules(tools), after_resume=auto_grammar(all_tools or tools))
+    return StructuredSpec.lark("start: call\n" + _call_rules(tools),
+                               after_resume=auto_grammar(all_tools or tools, answer))
