@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
+import time
 
 import pytest
 
@@ -12,6 +15,7 @@ from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerCo
 from segue.engine import LLMEngine
 from segue.executor.base import SampledToken
 from segue.sampling_params import SamplingParams
+from segue.structured import StructuredSpec
 from segue.tools.parser import ToolCallParser
 
 
@@ -100,3 +104,84 @@ def test_async_engine_detach_and_continue(ckpt):
         await aengine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_an_end_marker_inside_a_json_string_does_not_end_the_call(ckpt):
+    engine = make_engine(ckpt)
+    args = {"text": 'say "</tool_call>" \\ then stop'}
+    call = '<tool_call>{"name": "echo", "arguments": ' + json.dumps(args) + "}</tool_call>"
+    eos = engine.model_config.eos_token_ids[0]
+    engine.executor.execute = ScriptedModel(engine, engine.encode(call + " after") + [eos])
+    parser = ToolCallParser()
+    assert not parser.has_complete_call(call[:call.index("</tool_call>") + len("</tool_call>")])
+    engine.add_request("r", engine.encode("Echo it"), SamplingParams(max_tokens=100), tool_parser=parser)
+    paused = None
+    while paused is None:
+        paused = next((o for o in engine.step() if o.paused), None)
+    # Paused at the real end marker, with the argument whole.
+    assert paused.outputs[0].text == call
+    assert [(c.name, c.arguments, c.error) for c in paused.outputs[0].tool_calls] == [("echo", args, None)]
+    content, calls = parser.find_calls("a " + call + " b")
+    assert content == "a  b" and [(c.arguments, c.error) for c in calls] == [(args, None)]
+    engine.abort_request("r")
+
+
+def test_resume_with_a_new_constraint_compiles_off_the_engine_thread(ckpt):
+    engine = make_engine(ckpt)
+    eos = engine.model_config.eos_token_ids[0]
+    engine.executor.execute = ScriptedModel(engine, engine.encode("Hello.") + [eos])
+    aengine = AsyncLLMEngine(engine)
+    backend = engine.grammars
+    compiled_on: list[threading.Thread] = []
+    real_compile = backend.compile
+
+    def spy(spec):
+        compiled_on.append(threading.current_thread())
+        return real_compile(spec)
+    backend.compile = spy
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"]}
+
+    async def scenario():
+        params = SamplingParams(max_tokens=50, pause_on_stop=True)
+        gen = aengine.generate(engine.encode("hi"), params, request_id="s")
+        async for out in gen:
+            if out.paused:
+                aengine.detach("s")
+                break
+        await gen.aclose()
+        new = SamplingParams(max_tokens=20, structured=StructuredSpec.json_schema(schema), pause_on_stop=True)
+        gen = aengine.continue_request("s", engine.encode(" next"), new)
+        async for out in gen:
+            if out.paused:
+                aengine.detach("s")
+                break
+        await gen.aclose()
+        grammar = await aengine.run_sync(lambda e: e.scheduler.requests["s"].grammar)
+        aengine.abort("s")
+        await aengine.shutdown()
+        return grammar
+
+    grammar = asyncio.run(scenario())
+    assert grammar is not None and grammar.spec == StructuredSpec.json_schema(schema)
+    assert compiled_on and aengine._thread not in compiled_on
+
+
+def test_the_grammar_backend_is_built_once_under_concurrency(ckpt, monkeypatch):
+    import segue.structured.backend as backend_module
+    engine = make_engine(ckpt)
+    real_init = backend_module.GrammarBackend.__init__
+
+    def slow_init(self, *args):
+        time.sleep(0.05)  # widen the window in which a second thread could build its own
+        real_init(self, *args)
+    monkeypatch.setattr(backend_module.GrammarBackend, "__init__", slow_init)
+    seen: list[object] = []
+    threads = [threading.Thread(target=lambda: seen.append(engine.grammars)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen) == 4 and len({id(b) for b in seen}) == 1
+    # Every end-of-turn token of the model's generation config may end a constrained answer.
+    assert seen[0].eos_token_ids == tuple(engine.model_config.eos_token_ids)

@@ -3,10 +3,10 @@
 Default format is the Hermes one used by Qwen, SmolLM2 and others:
     <tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>
 
-A call ends at the first end marker after its start marker. That is the same rule the engine's
-stop-string interception applies token by token, so parsing never disagrees with where generation
-was paused. The price: an end marker inside a JSON string argument ends the call early, and the
-model gets a parse error back (there is no way to tell such a marker apart while streaming).
+A call ends at the first end marker after its start marker that is not inside a JSON string of
+its payload: an argument may contain "</tool_call>" as text. The engine intercepts by the same
+rule (has_complete_call, token by token), so parsing never disagrees with where generation was
+paused. A payload that is not JSON (it does not start with { or [) ends at the first end marker.
 """
 from __future__ import annotations
 
@@ -37,12 +37,35 @@ class ToolCallParser:
         """Strings that, once generated, mean a call is complete and generation should pause."""
         return [self.end]
 
+    def _end_of(self, text: str, body: int) -> int:
+        """Index of the end marker that closes the call whose payload starts at `body`; -1 if none
+        has been written yet."""
+        first = text.find(self.end, body)
+        payload = text[body:].lstrip()
+        if first < 0 or not payload or payload[0] not in "{[" or '"' not in text[body:first]:
+            return first
+        in_string = escaped = False
+        for i in range(body, len(text)):
+            c = text[i]
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif c == "\\":
+                    escaped = True
+                elif c == '"':
+                    in_string = False
+            elif c == '"':
+                in_string = True
+            elif text.startswith(self.end, i):
+                return i
+        return -1
+
     def _spans(self, text: str) -> list[_Span]:
         spans: list[_Span] = []
         pos = 0
         while (s := text.find(self.start, pos)) >= 0:
             body = s + len(self.start)
-            e = text.find(self.end, body)
+            e = self._end_of(text, body)
             if e < 0:
                 spans.append(_Span(s, len(text), text[body:], False))
                 break
@@ -81,7 +104,7 @@ class ToolCallParser:
         each token need not rescan, and answer again for, old calls.
         """
         s = text.find(self.start, pos)
-        return s >= 0 and text.find(self.end, s + len(self.start)) >= 0
+        return s >= 0 and self._end_of(text, s + len(self.start)) >= 0
 
     def safe_prefix_len(self, text: str) -> int:
         """Length of the prefix that can be streamed to the client as it is.
