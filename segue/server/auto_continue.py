@@ -79,11 +79,16 @@ class AutoContinuation:
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def open(self, tenant: str | None) -> Session:
-        """A new implicit session for a plain turn that ended held (busy until checked in)."""
+    def open(self, tenant: str | None) -> Session | None:
+        """A new implicit session for a plain turn that ended held (busy until checked in); None
+        when the store is full of sessions that cannot give way (explicit ones, busy ones): a
+        plain client never asked for one, so its turn is not held rather than going over
+        max_sessions."""
         if len(self.store) >= self.store.max_sessions:
             self.store.expire()
             self.store.drop_implicit(len(self.store) - self.store.max_sessions + 1)
+        if len(self.store) >= self.store.max_sessions:
+            return None
         return self.store.create(tenant, implicit=True, ttl_s=self.ttl_s)
 
     def remember(self, session: Session, tools: Any) -> None:

@@ -69,6 +69,12 @@ class TurnBookkeeping:
             # A plain turn's hold is the server's business: an implicit session, id never shown.
             implicit = self.auto and self.ctx.auto is not None and not self.client_tools
             self.session = self.ctx.auto.open(self.tenant) if implicit else sessions.create(self.tenant)
+            if self.session is None:
+                # No room for another session: the turn ends as a plain one would, not held (the
+                # client's next turn starts fresh from the full history).
+                if end.held is not None:
+                    self.ctx.engine.abort(end.held.request_id)
+                return None
         # The assistant message exactly as the client got it, which is what it will send back.
         calls = [ToolCallIn.model_validate(c.model_dump()) for c in _tool_calls_out(end.tool_calls)]
         answer = ChatMessage(role="assistant", content=content, tool_calls=calls or None)
