@@ -103,6 +103,8 @@ class ModelExecutor(Executor):
         # Requests whose next sampled token should carry its hidden state (want_hidden_states).
         self._hidden_for: frozenset[str] = frozenset()
         self.decode_kernel = kernels
+        # The native prefill kernel is written for 64-wide heads (the default model's).
+        self.prefill_kernel = kernels if kernels is not None and cfg.head_dim == 64 else None
         logger.info("KV cache: %d device blocks (%d tokens, %.0f MiB, %s), %d host blocks",
                     self.num_device_blocks, self.num_device_blocks * cache.block_size,
                     self.num_device_blocks * block_bytes / 2**20, str(self.kv_dtype).removeprefix("torch."),
@@ -135,10 +137,36 @@ class ModelExecutor(Executor):
             if self.decode_kernel is None:
                 key_pos = torch.arange(max_blocks * bs, device=dev)
                 meta.decode_mask = (key_pos[None, :] < ctx[:, None]).view(len(decodes), 1, 1, -1)
-        row = len(decodes)
-        for s in seqs:
-            if s.num_tokens == 1:
-                continue
+        prefills = [s for s in seqs if s.num_tokens != 1]
+        if prefills and self.prefill_kernel is not None:
+            self._native_prefill_metadata(meta, prefills)
+        else:
+            self._torch_prefill_metadata(meta, prefills, len(decodes))
+        input_ids = torch.tensor(ids, device=dev)
+        pos_t = torch.tensor(positions, device=dev)
+        return input_ids, pos_t, meta
+
+    def _native_prefill_metadata(self, meta: AttentionMetadata, prefills: list[ScheduledSeq]) -> None:
+        """One varlen call per layer: row offsets, start positions and padded block tables."""
+        bs = self.block_size
+        starts, tables, max_blocks = [0], [], 0
+        for s in prefills:
+            starts.append(starts[-1] + s.num_tokens)
+            table = s.block_table[:cdiv(s.start_pos + s.num_tokens, bs)]
+            tables.append(table)
+            max_blocks = max(max_blocks, len(table))
+        meta.prefill_kernel = self.prefill_kernel
+        meta.prefill_query_start = torch.tensor(starts)
+        meta.prefill_start_pos = torch.tensor([s.start_pos for s in prefills])
+        meta.prefill_block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+        row = meta.num_decodes
+        for s in prefills:  # kept for readers of the chunk list (the kernel needs no mask)
+            meta.prefills.append(PrefillChunk(row, row + s.num_tokens, s.start_pos, torch.empty(0), None))
+            row += s.num_tokens
+
+    def _torch_prefill_metadata(self, meta: AttentionMetadata, prefills: list[ScheduledSeq], row: int) -> None:
+        bs, dev = self.block_size, self.device
+        for s in prefills:
             ctx_len = s.start_pos + s.num_tokens
             mask = None
             if s.start_pos > 0:
@@ -147,9 +175,6 @@ class ModelExecutor(Executor):
             block_ids = torch.tensor(s.block_table[:cdiv(ctx_len, bs)], device=dev)
             meta.prefills.append(PrefillChunk(row, row + s.num_tokens, s.start_pos, block_ids, mask))
             row += s.num_tokens
-        input_ids = torch.tensor(ids, device=dev)
-        pos_t = torch.tensor(positions, device=dev)
-        return input_ids, pos_t, meta
 
     def want_hidden_states(self, request_ids: Collection[str]) -> bool:
         self._hidden_for = frozenset(request_ids)

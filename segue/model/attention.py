@@ -1,10 +1,13 @@
 """Attention over the paged KV cache.
 
-Decodes (one query token each) run through a native CPU kernel that reads each block in place
-(fp32 on CPU), or else through scaled_dot_product_attention over their gathered blocks with a
-mask built once per step and shared by every layer. Prefill chunks run
-one sequence at a time through scaled_dot_product_attention (flash kernels where available).
-GQA never repeats K/V: query heads are grouped per KV head instead.
+On CPU both kinds of work run through native kernels that read each block in place
+(segue/model/csrc): decodes (one query token each) through the decode kernel, and every prefill
+chunk of the step, from position 0 or continuing cached context, through one call of the paged
+prefill kernel (tiled, online softmax, causal offset handled inside: no gathered context, no mask).
+Elsewhere (CUDA, no compiler, head sizes the kernels lack) decodes run through
+scaled_dot_product_attention over their gathered blocks with a mask built once per step, and
+prefill chunks one sequence at a time through scaled_dot_product_attention (flash kernels where
+available). GQA never repeats K/V: query heads are grouped per KV head instead.
 """
 from __future__ import annotations
 
@@ -35,6 +38,12 @@ class AttentionMetadata:
     # The native CPU kernel module when it applies (fp32 on CPU), else None: torch path.
     decode_kernel: object | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # The native paged prefill kernel and its varlen arguments, when it applies; else the
+    # per-chunk torch path. Prefill rows follow the decodes contiguously.
+    prefill_kernel: object | None = None
+    prefill_query_start: torch.Tensor | None = None   # [chunks + 1] row offsets within the prefill rows
+    prefill_start_pos: torch.Tensor | None = None     # [chunks]
+    prefill_block_tables: torch.Tensor | None = None  # [chunks, max_blocks]
 
 
 def _decode_attention(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata,
@@ -79,7 +88,14 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, c
     parts = []
     if meta.num_decodes:
         parts.append(_decode_attention(q[:meta.num_decodes], cache, layer, meta, scale))
-    for chunk in meta.prefills:
-        a, b = chunk.token_start, chunk.token_end
-        parts.append(_prefill_attention(q[a:b], k_new[a:b], v_new[a:b], cache, layer, chunk, scale))
+    if meta.prefills and meta.prefill_kernel is not None:
+        nd, nh, hd = meta.num_decodes, q.shape[1], q.shape[2]
+        out = meta.prefill_kernel.paged_prefill_attention(
+            q[nd:], cache.k[layer], cache.v[layer], meta.prefill_query_start, meta.prefill_start_pos,
+            meta.prefill_block_tables, scale)
+        parts.append(out.view(-1, nh * hd))
+    else:
+        for chunk in meta.prefills:
+            a, b = chunk.token_start, chunk.token_end
+            parts.append(_prefill_attention(q[a:b], k_new[a:b], v_new[a:b], cache, layer, chunk, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -253,15 +253,21 @@ void rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
                     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
                     int64_t num_heads, int64_t num_kv_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+// Defined in prefill_attention.cpp.
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor query_start, torch::Tensor start_pos,
+                                      torch::Tensor block_tables, double scale);
 // Defined in quant_ops.cpp.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale);
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_lo);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU; fp32 accumulation)");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "Causal attention of prefill chunks over the paged cache (CPU; tiled online softmax)");
   m.def("add_rms_norm", &add_rms_norm, "h += delta (in place); returns rms_norm(h) * weight");
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding of Q and K in place, K/V written to the cache");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up = [gate | up]");
-  m.def("int8_linear", &int8_linear, "x @ (q * scale)^T, int8 weights per output channel");
+  m.def("int8_linear", &int8_linear, "x @ (q * scale)^T, int8 weights in groups of 32 along K");
   m.def("int4_linear", &int4_linear, "x @ dequant(int4 groups of 32)^T");
 }
