@@ -97,7 +97,7 @@ class ModelLoadConfig:
     device: str = "auto"
     served_model_name: str | None = None
     # Weight-only quantization of the linear layers: "auto" (int8 on CPU, none on CUDA), "none",
-    # "int8" (per output channel) or "int4" (groups of 32).
+    # "int8" or "int4", both with a scale per group of 32 weights along the input (segue/model/quant.py).
     quantization: str = "auto"
     # Sampling settings for the fields a request leaves out: "auto" the model's recommended ones
     # (segue/generation_defaults.py), "none" the OpenAI API's (temperature 1, top_p 1), or a
