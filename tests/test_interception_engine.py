@@ -150,3 +150,29 @@ def test_host_tier_hit_loads_real_kv(tiny):
         engine.check_invariants()
     assert b.num_cached_tokens >= 28 and len(copies) >= 7
     assert b.output_token_ids == hf_greedy(model, longer, 6)
+
+
+def test_pause_hints_through_the_engine():
+    """A caller's hints about a paused request go through the engine's public methods (the server
+    uses them instead of the scheduler's state): the expected pause counts from its start."""
+    import math
+
+    from segue.sched.cost_model import CostModel
+    from segue.sim.engine import make_sim_engine
+    engine = make_sim_engine(CostModel(), 1024, EngineConfig(cache=CacheConfig(block_size=16)))
+    prompt = list(range(100, 140))
+    engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=8))
+    while not engine.scheduler.requests["a"].output_token_ids:
+        engine.step()
+    assert engine.paused_token_ids("a") is None and not engine.expect_resume("a", 3.0)
+    engine.intercept("a")
+    req = engine.scheduler.requests["a"]
+    assert engine.paused_token_ids("a") == req.all_token_ids and engine.paused_token_ids("nobody") is None
+    engine.clock.advance_to(engine.clock() + 1.0)  # the hint arrives a second into the pause
+    assert engine.expect_resume("a", 3.0) and req.interception.expected_duration == pytest.approx(3.0)
+    assert engine.abandon("a") and req.interception.expected_duration == math.inf
+    assert engine.scheduler.kv.num_device_blocks_of("a") == 0 and not engine.abandon("nobody")
+    engine.resume("a", [7])
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_invariants()
