@@ -1,5 +1,9 @@
-"""Helpers shared by engine tests: a reference greedy decoder built on transformers."""
+"""Helpers shared by engine tests: a reference greedy decoder built on transformers, running a
+request to its end, and an executor wrapper that makes a random model open tool calls."""
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import torch
 import transformers
@@ -38,3 +42,33 @@ def run_to_completion(engine: LLMEngine, check: bool = True, max_steps: int = 10
         assert engine.scheduler.kv.num_held_blocks() == 0, "KV blocks leaked"
     return finished
 
+
+
+class OpensCalls:
+    """Wraps an engine's executor so that every segment (the output before the first interception,
+    and after each resume) of every request starts with `opening` (a tool call's start marker).
+
+    A random model never writes the marker by itself, so without this an "auto" tool-call test's
+    checks would never run. Only the first tokens are replaced: the real forward runs, and what
+    the model writes after the marker is sampled under the request's grammar (the replaced tokens
+    are ones that grammar allows)."""
+
+    def __init__(self, engine: LLMEngine, opening: list[int]) -> None:
+        self.real = engine.executor.execute
+        self.opening = opening
+        self.progress: dict[str, tuple[int, int]] = {}
+        engine.executor.execute = self  # type: ignore[method-assign]
+
+    def __call__(self, out: Any) -> dict[str, Any]:
+        sampled = self.real(out)
+        for seq in out.seqs:
+            req = seq.request
+            if not seq.sample or req.request_id not in sampled:
+                continue
+            segment, pos = self.progress.get(req.request_id, (0, 0))
+            if segment != len(req.interceptions):
+                segment, pos = len(req.interceptions), 0
+            self.progress[req.request_id] = (segment, pos + 1)
+            if pos < len(self.opening):
+                sampled[req.request_id] = dataclasses.replace(sampled[req.request_id], token_id=self.opening[pos])
+        return sampled

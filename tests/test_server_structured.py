@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal, Optional
 
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from segue.async_engine import AsyncLLMEngine
 from segue.server.app import create_app
-from test_server_support import ServerThread, make_engine, shutdown, wait_idle
+from engine_helpers import OpensCalls
+from test_server_support import ServerThread, encode, make_engine, on_engine, shutdown, wait_idle
 
 LIGHT = {"type": "object", "properties": {"on": {"type": "boolean"},
                                           "level": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -93,16 +95,22 @@ def test_streamed_forced_call(client: openai.OpenAI, engine: AsyncLLMEngine) -> 
 
 
 def test_auto_never_returns_a_malformed_call(client: openai.OpenAI, engine: AsyncLLMEngine) -> None:
-    for seed in range(4):
-        r = chat(client, seed=seed, tools=TOOLS, tool_choice="auto", max_tokens=24)
-        message = r.choices[0].message
-        assert "<tool_call>" not in (message.content or "")
-        for tc in message.tool_calls or []:
-            assert tc.function.name in ("set_light", "get_time")
-            json.loads(tc.function.arguments)
-        session = (r.model_extra or {}).get("session_id")
-        if session:
-            client.delete(f"/sessions/{session}", cast_to=object)
+    # A random model never opens a call by itself: make every answer start with the marker, so the
+    # rest of each call (name, arguments, end) is what the "auto" grammar lets the model write.
+    opener = on_engine(engine, lambda e: OpensCalls(e, encode("<tool_call>")))
+    try:
+        for seed in range(4):
+            r = chat(client, seed=seed, tools=TOOLS, tool_choice="auto", max_tokens=48)
+            message = r.choices[0].message
+            assert "<tool_call>" not in (message.content or "")
+            assert r.choices[0].finish_reason == "tool_calls" and len(message.tool_calls or []) == 1
+            for tc in message.tool_calls:
+                assert tc.function.name in ("set_light", "get_time")
+                schema = LIGHT if tc.function.name == "set_light" else TOOLS[1]["function"]["parameters"]
+                jsonschema.validate(json.loads(tc.function.arguments), schema)
+            client.delete(f"/sessions/{r.session_id}", cast_to=object)
+    finally:
+        on_engine(engine, lambda e: setattr(e.executor, "execute", opener.real))
     wait_idle(engine)
 
 
@@ -119,13 +127,90 @@ def test_completions_accept_response_format_and_guided_extras(client: openai.Ope
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"response_format": response_format({"type": "object", "if": {"required": ["a"]}, "then": {}})},
+    {"response_format": response_format({"type": "object", "properties": {"a": {"type": "strnig"}}})},
+    {"extra_body": {"guided_json": {"type": 3}}},
+    {"extra_body": {"guided_choice": ["a", "b"]}, "tools": TOOLS},
     {"response_format": {"type": "xml"}},
     {"response_format": {"type": "json_schema"}},
     {"extra_body": {"guided_regex": "(unclosed"}},
     {"extra_body": {"guided_choice": []}},
-    {"response_format": {"type": "json_object"}, "tools": TOOLS},
 ])
 def test_unsupported_constraints_are_400(client: openai.OpenAI, kwargs: dict) -> None:
     with pytest.raises(openai.BadRequestError):
         chat(client, **kwargs)
+
+
+# ---- schemas agent frameworks send, and an answer format beside tools ----------------------------
+class Address(BaseModel):
+    city: str = Field(max_length=12)
+    zip: Optional[str] = Field(default=None, pattern=r"^[0-9]{5}$")
+
+
+class Order(BaseModel):
+    colors: set[Literal["red", "green", "blue"]]  # uniqueItems
+    size: Literal["S", "M", "L"]
+    qty: int = Field(ge=1, le=9)
+    note: Optional[str] = Field(default=None, max_length=8)
+    address: Address
+
+
+NOT_ZERO = {"type": "object", "properties": {"v": {"type": "integer", "minimum": -5, "maximum": 5,
+                                                   "not": {"const": 0}}}, "required": ["v"]}
+AGENT_TOOLS = [{"type": "function", "function": {"name": "order", "parameters": Order.model_json_schema()}},
+               {"type": "function", "function": {"name": "pick", "parameters": NOT_ZERO}}]
+
+
+def answer_of(r: Any, stream: bool) -> tuple[str, list[tuple[str, str]], str | None]:
+    """(content, [(tool name, arguments)], session id) of a response or a list of chunks."""
+    if not stream:
+        m = r.choices[0].message
+        return (m.content or "", [(c.function.name, c.function.arguments) for c in m.tool_calls or []],
+                (r.model_extra or {}).get("session_id"))
+    deltas = [c.choices[0].delta for c in r if c.choices]
+    calls = [(tc.function.name, tc.function.arguments) for d in deltas for tc in d.tool_calls or []]
+    session = next(((c.model_extra or {}).get("session_id") for c in r if (c.model_extra or {}).get("session_id")),
+                   None)
+    return "".join(d.content or "" for d in deltas), calls, session
+
+
+def check_calls(calls: list[tuple[str, str]], tools: list[dict]) -> None:
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), schemas[name])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_pydantic_tool_schemas_are_accepted(client: openai.OpenAI, engine: AsyncLLMEngine, choice: str,
+                                            stream: bool) -> None:
+    # set, Literal, Optional, nested models, Field constraints and `not`: a 200 whatever the model
+    # writes, and whatever reaches the client validates against the full schema.
+    made_calls = 0
+    for seed in range(3):
+        r = chat(client, seed=seed, tools=AGENT_TOOLS, tool_choice=choice, max_tokens=96, stream=stream)
+        content, calls, session = answer_of(list(r) if stream else r, stream)
+        check_calls(calls, AGENT_TOOLS)
+        made_calls += len(calls)
+        if session:
+            client.delete(f"/sessions/{session}", cast_to=object)
+    if choice == "required":
+        assert made_calls > 0
+    wait_idle(engine)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_response_format_beside_tools_is_a_call_or_the_format(client: openai.OpenAI, engine: AsyncLLMEngine,
+                                                              choice: str, stream: bool) -> None:
+    for seed in range(3):
+        r = chat(client, seed=seed, tools=TOOLS, tool_choice=choice, stream=stream,
+                 response_format=response_format(LIGHT))
+        content, calls, session = answer_of(list(r) if stream else r, stream)
+        check_calls(calls, TOOLS)
+        if choice == "required" or calls:
+            assert len(calls) == 1 and not content
+        else:
+            jsonschema.validate(json.loads(content), LIGHT)
+        if session:
+            client.delete(f"/sessions/{session}", cast_to=object)
+    wait_idle(engine)

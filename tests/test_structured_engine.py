@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from conftest import default_tokenizer, make_tiny_checkpoint
+from engine_helpers import OpensCalls
 from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
 from segue.engine import LLMEngine
 from segue.sampling_params import SamplingParams
@@ -65,36 +66,37 @@ def test_grammar_state_survives_chunked_prefill_and_preemption(ckpt: pathlib.Pat
         jsonschema.validate(json.loads(text), LIGHT)
 
 
-def test_resume_constrains_only_what_follows_with_the_after_resume_grammar(ckpt: pathlib.Path) -> None:
+def test_every_resume_keeps_the_constraint_for_three_rounds(ckpt: pathlib.Path) -> None:
     engine = make(ckpt, kv_tokens=4096, batched=2048)
     tok = default_tokenizer()
+    # Every segment starts with the call marker; the rest of each call is the model's, under the
+    # grammar: a random model writes a valid call only if every segment is constrained.
+    OpensCalls(engine, tok.encode("<tool_call>", add_special_tokens=False))
     spec = forced_grammar(TOOLS)
-    prompt = tok.encode("Lights!", add_special_tokens=False)
-    engine.add_request("a", prompt, SamplingParams(temperature=1.0, seed=1, max_tokens=80, structured=spec),
+    engine.add_request("a", tok.encode("Lights!", add_special_tokens=False),
+                       SamplingParams(temperature=1.0, seed=1, max_tokens=400, structured=spec),
                        tool_parser=ToolCallParser())
     req = engine.scheduler.requests["a"]
-    out = None
-    while req.interception is None:
-        outs = engine.step()
-        out = outs[-1] if outs else out
-    assert out is not None and out.paused
-    call = out.outputs[0].tool_calls[0]
-    assert call.error is None and call.name == "set_light"
-    jsonschema.validate(call.arguments, LIGHT)
     result = tok.encode("<|im_end|>\n<|im_start|>tool\nok<|im_end|>\n<|im_start|>assistant\n",
                         add_special_tokens=False)
-    engine.resume("a", result)
-    # The forced call is done: what follows is free text or another valid call, constrained from
-    # the first token generated after the appended result.
-    assert req.grammar.spec == spec.after_resume
-    assert req.grammar.start == len(req.output_token_ids)
-    while engine.has_unfinished_requests() and req.interception is None:
-        for o in engine.step():
-            out = o
-        engine.check_invariants()
-    text = out.outputs[0].text
-    after = text[text.index("</tool_call>") + len("</tool_call>"):]
-    _, calls = ToolCallParser().find_calls(after)
-    assert all(c.error is None for c in calls)
-    if engine.has_unfinished_requests():
-        engine.abort_request("a")
+    specs, calls = [], []
+    for round_ in range(4):
+        out = None
+        while req.interception is None:
+            outs = engine.step()
+            out = outs[-1] if outs else out
+            engine.check_invariants()
+        req.grammar.sync(req.output_token_ids)  # the last token is consumed at the next sampling
+        assert out is not None and out.paused and req.grammar.done, f"round {round_} did not end in a call"
+        calls += out.outputs[0].tool_calls
+        engine.resume("a", result)
+        # Constrained from the first token generated after the appended result.
+        assert req.grammar is not None and req.grammar.start == len(req.output_token_ids)
+        specs.append(req.grammar.spec)
+    # The forced call is followed by free text or further valid calls, in every round.
+    assert specs == [spec.after_resume] * 4
+    assert len(calls) == 4
+    for call in calls:
+        assert call.error is None and call.name == "set_light"
+        jsonschema.validate(call.arguments, LIGHT)
+    engine.abort_request("a")

@@ -8,11 +8,13 @@ tool_choice is enforced by constrained decoding (segue/structured/tool_grammar.p
 a named function constrain the output to one call in the format ToolCallParser reads, with a name
 among the tools (the named one) and arguments generated under that tool's JSON schema; "auto"
 allows free text or such a call, so it never yields a malformed one. "none" hides every tool and
-never intercepts. Calls are checked against their schema once more when parsed (check_arguments):
+never intercepts. A response_format beside tools (OpenAI allows it; the Agents SDK sends both for
+an agent with tools and an output type) makes the answer either a call or text in that format. Calls are checked against their schema once more when parsed (check_arguments):
 what reaches a client or a server-side tool is valid, or the call carries an error.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +23,7 @@ import jsonschema
 
 from segue.sampling_params import InvalidRequestError
 from segue.server.errors import APIError
-from segue.structured import StructuredSpec
+from segue.structured import StructuredKind, StructuredSpec
 from segue.structured.tool_grammar import auto_grammar, forced_grammar
 from segue.tools.parser import ToolCallParser
 from segue.tools.registry import ToolRegistry
@@ -107,8 +109,20 @@ def validate_client_tools(tools: list[Any] | None) -> list[dict[str, Any]]:
     return out
 
 
+def _answer_schema(answer: StructuredSpec | None) -> dict[str, Any] | bool | None:
+    """The JSON schema an answer beside tools must follow (response_format, guided_json)."""
+    if answer is None:
+        return None
+    if answer.kind is not StructuredKind.JSON_SCHEMA:
+        raise APIError(400, "guided_regex and guided_choice cannot be combined with tools (response_format "
+                            "and guided_json can)", param="tools")
+    return json.loads(answer.value)
+
+
 def resolve_tools(tools: list[Any] | None, tool_choice: str | dict[str, Any] | None,
-                  registry: ToolRegistry) -> ToolSetup:
+                  registry: ToolRegistry, answer: StructuredSpec | None = None) -> ToolSetup:
+    """The tools and the grammar of a chat request; `answer`: the constraint of a text answer
+    (response_format), which the grammar then offers beside the calls."""
     client = validate_client_tools(tools)
     server = registry.openai_tools()
     client_names = frozenset(t["function"]["name"] for t in client)
@@ -121,6 +135,7 @@ def resolve_tools(tools: list[Any] | None, tool_choice: str | dict[str, Any] | N
     if choice == "none":
         return ToolSetup()
     setup = ToolSetup(client + server, client_names, server_names)
+    schema = _answer_schema(answer) if setup.enabled else None
     if isinstance(choice, dict):
         fn = choice.get("function")
         name = fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) else None
@@ -131,16 +146,16 @@ def resolve_tools(tools: list[Any] | None, tool_choice: str | dict[str, Any] | N
         if name not in client_names | server_names:
             raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
         named = [t for t in setup.tools if t["function"]["name"] == name]
-        setup.constraint = forced_grammar(named, setup.tools)
+        setup.constraint = forced_grammar(named, setup.tools, schema)
     elif choice == "required":
         if not setup.enabled:
             raise APIError(400, 'tool_choice "required" needs at least one tool', param="tool_choice")
-        setup.constraint = forced_grammar(setup.tools)
+        setup.constraint = forced_grammar(setup.tools, answer=schema)
     elif choice != "auto":
         raise InvalidRequestError(f'tool_choice must be "none", "auto", "required" or a function, got {choice!r}',
                                   param="tool_choice", code="invalid_value")
     elif setup.enabled:
-        setup.constraint = auto_grammar(setup.tools)
+        setup.constraint = auto_grammar(setup.tools, schema)
     return setup
 
 

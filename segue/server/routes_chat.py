@@ -115,10 +115,8 @@ async def chat_completions(request: Request) -> Response:
     body = ChatCompletionRequest.model_validate_json(await request.body())
     ctx.check_model(body.model)
     body.check_supported()
-    setup = resolve_tools(body.tools, body.tool_choice, ctx.tools)
-    if setup.constraint is not None and body.output_spec() is not None:
-        raise APIError(400, "response_format (or guided_*) cannot be combined with tools unless tool_choice is "
-                            '"none": the output is either a tool call or the formatted answer', param="response_format")
+    # With tools, a response_format constrains the answer that is not a call (the grammar offers both).
+    setup = resolve_tools(body.tools, body.tool_choice, ctx.tools, body.output_spec())
     if setup.constraint is None and body.output_spec() is None and _talks_about_tools(body):
         setup.constraint = no_call_grammar()
     if body.num_choices > 1 and setup.client_names:

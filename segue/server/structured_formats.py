@@ -7,13 +7,16 @@
   JSON text), `guided_regex`, `guided_choice` (a list of strings).
 
 The output is constrained whether or not `strict` is set (a non-strict schema is still the best
-description of what the client wants). Schema features the grammar library cannot enforce are a
-400 when the grammar compiles (segue/structured/backend.py), never silently ignored.
+description of what the client wants). A schema that is not valid JSON Schema is a 400; keywords
+that are valid but that the grammar library does not enforce (uniqueItems, not, ...) are left out
+of the grammar (segue/structured/tool_grammar.py, lenient), as OpenAI and vLLM accept them too.
 """
 from __future__ import annotations
 
 import json
 from typing import Any
+
+import jsonschema
 
 from segue.server.errors import APIError
 from segue.structured import StructuredSpec
@@ -21,6 +24,19 @@ from segue.structured import StructuredSpec
 
 def _bad(message: str, param: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_response_format")
+
+
+def _checked_schema(schema: Any, param: str) -> StructuredSpec:
+    if not isinstance(schema, (dict, bool)):
+        raise _bad(f"{param} must be a JSON schema object", param)
+    if isinstance(schema, dict):
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        try:
+            cls.check_schema(schema)
+        except jsonschema.exceptions.SchemaError as e:
+            where = "/".join(str(p) for p in e.absolute_path) or "(root)"
+            raise _bad(f"{param} is not a valid JSON schema at {where}: {e.message}", param) from None
+    return StructuredSpec.json_schema(schema)
 
 
 def response_format_spec(fmt: dict[str, Any] | None) -> StructuredSpec | None:
@@ -35,11 +51,7 @@ def response_format_spec(fmt: dict[str, Any] | None) -> StructuredSpec | None:
         body = fmt.get("json_schema")
         if not isinstance(body, dict):
             raise _bad('response_format of type "json_schema" needs a "json_schema" object', "response_format")
-        schema = body.get("schema", {})
-        if not isinstance(schema, (dict, bool)):
-            raise _bad("response_format.json_schema.schema must be a JSON schema object",
-                       "response_format.json_schema.schema")
-        return StructuredSpec.json_schema(schema)
+        return _checked_schema(body.get("schema", {}), "response_format.json_schema.schema")
     raise _bad(f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}',
                "response_format.type")
 
@@ -55,9 +67,7 @@ def guided_spec(guided_json: Any, guided_regex: str | None, guided_choice: list[
                 guided_json = json.loads(guided_json)
             except json.JSONDecodeError as e:
                 raise _bad(f"guided_json is not valid JSON: {e}", "guided_json") from None
-        if not isinstance(guided_json, (dict, bool)):
-            raise _bad("guided_json must be a JSON schema object", "guided_json")
-        return StructuredSpec.json_schema(guided_json)
+        return _checked_schema(guided_json, "guided_json")
     if guided_regex is not None:
         return StructuredSpec.regex(guided_regex)
     if guided_choice is not None:
