@@ -39,6 +39,9 @@ def scripted(setup: tuple[AsyncLLMEngine, ScriptedModel]) -> ScriptedModel:
     model.script("[slow]", call_text("wait", {"seconds": 30}), "Done waiting.")
     model.script("[loop]", *[call_text("calculator", {"expression": "1"})] * 6)
     model.script("[named]", '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>', "42.")
+    rounds = [call_text("calculator", {"expression": f"{i}+1"}) for i in range(3)]
+    model.script("[rounds]", *rounds, "Done.")
+    model.script("[rounds-json]", *rounds, '{"answer": 3}')
     return model
 
 
@@ -154,3 +157,39 @@ def test_disconnect_during_a_tool_run_aborts(client: openai.OpenAI, engine: Asyn
     wait_idle(engine, timeout=5)
     # Aborted while the tool ran: the request never resumed with the (timed-out) result.
     assert "timed out" not in scripted.seen_with("[slow]")[-1][1].text()
+
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+
+
+@pytest.mark.parametrize("marker, answer", [("[rounds]", None), ("[rounds-json]", ANSWER)])
+def test_every_server_side_round_keeps_its_constraint(client: openai.OpenAI, engine: AsyncLLMEngine,
+                                                      scripted: ScriptedModel, marker: str, answer: dict | None) -> None:
+    # Three server-side tool rounds, then the answer: every segment samples under the tool grammar
+    # (with response_format, the one that also offers the answer format), not only the first.
+    grammars: dict[int, set[Any]] = {}
+
+    def record(e: Any) -> Any:
+        inner = e.executor.execute
+
+        def execute(out: Any) -> Any:
+            for seq in out.seqs:
+                if seq.sample and scripted._marker(seq.request) == marker:
+                    g = seq.request.grammar
+                    grammars.setdefault(len(seq.request.interceptions), set()).add(g.spec if g else None)
+            return inner(out)
+        e.executor.execute = execute
+        return inner
+    inner = on_engine(engine, record)
+    extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": answer}}} if answer else {}
+    try:
+        r = ask(client, f"{marker} count", **extra)
+    finally:
+        on_engine(engine, lambda e: setattr(e.executor, "execute", inner))
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == ('{"answer": 3}' if answer else "Done.")
+    assert sorted(grammars) == [0, 1, 2, 3]
+    specs = {spec for seen in grammars.values() for spec in seen}
+    assert len(specs) == 1 and None not in specs and next(iter(specs)).sticky
+    assert on_engine(engine, lambda e: e.tool_stats.count("calculator")) >= 3
+    wait_idle(engine)
