@@ -41,8 +41,8 @@ PROMPTS = [SYSTEM + "Question one?", "Unrelated text about boats and rivers.", S
 
 
 class PauseOnce:
-    """A tool parser that reports a call as soon as any text exists, while armed (like SteeredParser,
-    it disarms when the engine takes the calls and the server re-arms it for the next turn)."""
+    """A tool parser that reports a call as soon as any text exists, while armed: it disarms when the
+    engine takes the calls, and the test re-arms it for the next turn."""
 
     def __init__(self) -> None:
         self.armed = True

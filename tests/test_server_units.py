@@ -8,7 +8,6 @@ import pytest
 
 from conftest import default_tokenizer
 from segue.program.registry import scoped_program_id
-from segue.server.chat_tools import SteeredParser
 from segue.server.errors import APIError
 from segue.server.protocol import ChatMessage
 from segue.server.sessions import HeldRequest, SessionStore
@@ -80,17 +79,6 @@ def test_template_with_tool_support() -> None:
     # A template that trims content still yields the text after the (held) generated text.
     assert renderer(TRIMMING).continuation(user, "Sure. " + CALL + "\n", RESULT, [TOOL]) == \
         suffix.replace(generated, "")
-
-
-def test_prefill_parser_sees_the_prefix_once() -> None:
-    parser = SteeredParser('<tool_call>{"name": "calc", "arguments": ')
-    rest = '{"x": 2}}</tool_call>'
-    assert not parser.has_complete_call('{"x": 2}') and parser.has_complete_call(rest)
-    _, (call,) = parser.find_calls(rest)
-    assert (call.name, call.arguments, call.error) == ("calc", {"x": 2}, None)
-    assert parser.prefix == "" and not parser.has_complete_call(rest)  # disarmed after the call
-    parser.arm("<tool_call>")
-    assert parser.has_complete_call('{"name": "calc"}</tool_call>')
 
 
 class Clock:

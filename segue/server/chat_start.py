@@ -29,7 +29,7 @@ from segue.program.registry import scoped_program_id
 from segue.sampling_params import InvalidRequestError
 from segue.server.auth import cache_salt
 from segue.server.auto_continue import auto_eligible
-from segue.server.chat_tools import SteeredParser, ToolSetup
+from segue.server.chat_tools import ToolSetup
 from segue.server.context import ServingContext
 from segue.server.limits import Deadline
 from segue.server.protocol import ChatCompletionRequest, choice_seed, random_id
@@ -37,6 +37,7 @@ from segue.server.sessions import HeldRequest, Session
 from segue.server.streaming import prepend, unless_disconnected
 from segue.server.templating import normalize
 from segue.server.tool_loop import ChatTurn
+from segue.tools.parser import ToolCallParser
 
 
 class ClientGone(Exception):
@@ -70,12 +71,10 @@ async def continue_held(ctx: ServingContext, request: Request, body: ChatComplet
     text = await ctx.in_thread(ctx.renderer.continuation, held.context, held.segment, new_messages, setup.tools)
     if not text.startswith(held.end_text):
         return None
-    suffix = await ctx.tokenize(text[len(held.end_text):] + setup.forced_prefix)
+    suffix = await ctx.tokenize(text[len(held.end_text):])
     params = body.to_sampling_params(len(held.token_ids) + len(suffix), ctx.max_model_len, ctx.generation_defaults)
     params.structured = setup.constraint or params.structured
     params.pause_on_stop = params.pause_on_length = True
-    if held.parser is not None:
-        held.parser.arm(setup.forced_prefix)
     gen = ctx.engine.continue_request(held.request_id, suffix, params)
     session.active_request_id = held.request_id
     try:
@@ -85,7 +84,7 @@ async def continue_held(ctx: ServingContext, request: Request, body: ChatComplet
         return None
     context = held.context + [{"role": "assistant", "content": held.segment}] + new_messages
     return ChatTurn(ctx, held.request_id, prepend(first, gen), setup, held.parser, context, deadline,
-                    prefix=setup.forced_prefix, text_start=held.text_len, gen_start=held.num_generated,
+                    text_start=held.text_len, gen_start=held.num_generated,
                     cached_tokens=len(held.token_ids), expected_tool_seconds=body.expected_tool_seconds)
 
 
@@ -94,7 +93,7 @@ async def start_fresh(ctx: ServingContext, request: Request, body: ChatCompletio
     messages = ctx.renderer.template_messages(body.messages)
 
     def render() -> list[int]:
-        text = ctx.renderer.render(messages, setup.tools) + setup.forced_prefix
+        text = ctx.renderer.render(messages, setup.tools)
         return ctx.engine.engine.encode(text)
     prompt_ids = await ctx.in_thread(render)
     params = body.to_sampling_params(len(prompt_ids), ctx.max_model_len, ctx.generation_defaults)
@@ -104,7 +103,7 @@ async def start_fresh(ctx: ServingContext, request: Request, body: ChatCompletio
     # paused turn; elsewhere nobody would ever resume it.
     params.pause_on_stop = params.pause_on_length = (session is not None or bool(body.open_session)
                                                      or (choice == 0 and auto_eligible(ctx, body)))
-    parser = SteeredParser(setup.forced_prefix) if setup.enabled else None
+    parser = ToolCallParser() if setup.enabled else None
     rid = random_id("chatcmpl")
     hints = {**body.engine_hints(tenant), **ctx.generate_hints(cache_salt(tenant))}
     if session is not None:
@@ -114,7 +113,7 @@ async def start_fresh(ctx: ServingContext, request: Request, body: ChatCompletio
     if session is not None:
         session.active_request_id = rid
     first = await _first(request, deadline, gen)
-    return ChatTurn(ctx, rid, prepend(first, gen), setup, parser, messages, deadline, prefix=setup.forced_prefix,
+    return ChatTurn(ctx, rid, prepend(first, gen), setup, parser, messages, deadline,
                     cached_tokens=first.num_cached_tokens, expected_tool_seconds=body.expected_tool_seconds,
                     prompt_tokens=len(prompt_ids))
 

@@ -25,7 +25,6 @@ from segue.sampling_params import InvalidRequestError
 from segue.server.errors import APIError
 from segue.structured import StructuredKind, StructuredSpec
 from segue.structured.tool_grammar import auto_grammar, forced_grammar
-from segue.tools.parser import ToolCallParser
 from segue.tools.registry import ToolRegistry
 from segue.tools.spec import ToolCall, ToolSpecError, check_parameters_schema
 
@@ -43,10 +42,6 @@ class ToolSetup:
     tools: list[dict[str, Any]] = field(default_factory=list)
     client_names: frozenset[str] = frozenset()
     server_names: frozenset[str] = frozenset()
-    # Text the assistant turn starts with (prefilled before the model writes). Constrained decoding
-    # made prefill steering unnecessary, so it is "" today; the plumbing stays for templates that
-    # need a fixed turn opening.
-    forced_prefix: str = ""
     # The grammar the output follows (tool_choice auto / required / named); None: unconstrained.
     constraint: StructuredSpec | None = None
 
@@ -158,30 +153,3 @@ def resolve_tools(tools: list[Any] | None, tool_choice: str | dict[str, Any] | N
         setup.constraint = auto_grammar(setup.tools, schema)
     return setup
 
-
-class SteeredParser(ToolCallParser):
-    """ToolCallParser that sees the prefilled start of a call as if the model had written it.
-
-    The engine feeds the parser the text generated since the last resume, which lacks the prefill.
-    The prefix applies to the first segment only: a call completes it, and the parser disarms when
-    the engine asks for the calls (once, at the interception). `arm()` sets a new prefix for a
-    session's next turn. Both run on the engine thread or before the turn's resume is queued.
-    """
-
-    def __init__(self, prefix: str = "") -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def arm(self, prefix: str) -> None:
-        self.prefix = prefix
-
-    def has_complete_call(self, text: str, pos: int = 0) -> bool:
-        return super().has_complete_call(self.prefix + text, pos)
-
-    def find_calls(self, text: str, *, strip: bool = True) -> tuple[str, list[ToolCall]]:
-        prefix, self.prefix = self.prefix, ""
-        return super().find_calls(prefix + text, strip=strip)
-
-    def plain(self) -> ToolCallParser:
-        """A parser without the prefill logic, for splitting text on the server side."""
-        return ToolCallParser(self.start, self.end)

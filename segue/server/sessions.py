@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from segue.program.registry import scoped_program_id
-from segue.server.chat_tools import SteeredParser
 from segue.server.errors import APIError
+from segue.tools.parser import ToolCallParser
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class HeldRequest:
     num_generated: int
     # Results of server-side calls made in the same pause, appended before the client's.
     server_results: list[dict[str, Any]]
-    parser: SteeredParser | None
+    parser: ToolCallParser | None
     tools: list[dict[str, Any]]
     # Text of the token held after `segment` when the turn paused at its stop (the end-of-turn
     # token): the next turn's rendered continuation starts with it, and it is not appended again.

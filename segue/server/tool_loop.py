@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from segue.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from segue.sampling_params import InvalidRequestError
-from segue.server.chat_tools import SteeredParser, ToolSetup
+from segue.server.chat_tools import ToolSetup
 from segue.server.errors import APIError
 from segue.server.limits import Deadline
 from segue.server.responses import Usage
@@ -55,27 +55,25 @@ class ChatTurn:
     """Drives one engine request (new or continued) for one HTTP response."""
 
     def __init__(self, ctx: "ServingContext", request_id: str, outputs: Prepended,
-                 setup: ToolSetup, parser: SteeredParser | None, context: list[dict[str, Any]],
-                 deadline: Deadline, *, prefix: str = "", text_start: int = 0, gen_start: int = 0,
+                 setup: ToolSetup, parser: ToolCallParser | None, context: list[dict[str, Any]],
+                 deadline: Deadline, *, text_start: int = 0, gen_start: int = 0,
                  cached_tokens: int = 0, expected_tool_seconds: float | None = None,
                  prompt_tokens: int = 0) -> None:
         self.ctx = ctx
         self.request_id = request_id
         self.outputs = outputs
         self.setup = setup
+        # Stateless: the engine thread finds calls with it, the server splits text with it here.
         self.parser = parser
-        # A parser without the prefill logic: the engine's parser is stateful, ours must not be.
-        self.splitter: ToolCallParser | None = parser.plain() if parser is not None else None
         self.context = context
         self.deadline = deadline
-        self.prefix = prefix
         self.text_start = text_start
         self.gen_start = gen_start
         self.cached_tokens = cached_tokens
         # Length of a fresh turn's prompt (0 for a continued one), to count a shared prompt once.
         self.prompt_tokens = prompt_tokens
         self.expected_tool_seconds = expected_tool_seconds
-        self.emitted = 0  # characters of the current segment (prefix included) already handled
+        self.emitted = 0  # characters of the current segment already handled
         self.sent_logprobs = gen_start
         self.rounds = 0
         self.tool_seconds = 0.0
@@ -118,23 +116,23 @@ class ChatTurn:
 
     # ---- text ----------------------------------------------------------------------------
     def _segment(self, c: CompletionOutput) -> str:
-        return self.prefix + c.text[self.text_start:]
+        return c.text[self.text_start:]
 
     def _content(self, c: CompletionOutput, out: RequestOutput) -> str:
         seg = self._segment(c)
-        if self.splitter is None:
+        if self.parser is None:
             end = len(seg)
         elif out.paused or out.finished:
             end = len(seg)
         else:
-            end = self.splitter.safe_prefix_len(seg)
+            end = self.parser.safe_prefix_len(seg)
         if end <= self.emitted:
             return ""
         chunk, self.emitted = seg[self.emitted:end], end
-        if self.splitter is None or out.finished or _ended_turn(out):
+        if self.parser is None or out.finished or _ended_turn(out):
             # A call cut off by max_tokens stays visible: the client should see what was written.
             return chunk
-        return self.splitter.find_calls(chunk, strip=False)[0]
+        return self.parser.find_calls(chunk, strip=False)[0]
 
     def _logprobs(self, c: CompletionOutput) -> list[TokenLogprob] | None:
         if c.logprobs is None or len(c.logprobs) <= self.sent_logprobs:
@@ -213,7 +211,7 @@ class ChatTurn:
                                             self.setup.tools)
             tokens = await self.ctx.in_thread(self.ctx.engine.engine.encode, text)
             self.context = self.context + [{"role": "assistant", "content": segment}] + results
-        self.text_start, self.prefix, self.emitted = len(c.text), "", 0
+        self.text_start, self.emitted = len(c.text), 0
         try:
             await self.ctx.engine.resume(self.request_id, tokens)
         except InvalidRequestError:  # the results do not fit in the context window
