@@ -35,6 +35,7 @@ def make_engine(path, *, block_size=16, kv_tokens=4096, budget=256, max_seqs=32,
     if torch_attention:
         # The pure torch forward (what CUDA runs): no native attention, no fused elementwise ops.
         engine.executor.decode_kernel = None
+        engine.executor.prefill_kernel = None
         engine.executor.model.kernels = None
     return engine
 
@@ -54,7 +55,7 @@ def check_against_hf(engine: LLMEngine, model, batch: list[list[int]]) -> dict:
     return results
 
 
-@pytest.mark.parametrize("torch_attention", [False, True], ids=["native-decode", "torch-decode"])
+@pytest.mark.parametrize("torch_attention", [False, True], ids=["native-attention", "torch-attention"])
 def test_mixed_prompt_lengths(tiny, torch_attention):
     path, model = tiny
     check_against_hf(make_engine(path, torch_attention=torch_attention), model, prompts(0, 8))

@@ -22,17 +22,23 @@ class LoadedModel(NamedTuple):
 def load_model(config: EngineConfig) -> LoadedModel:
     import torch
 
-    from segue.executor.model_executor import ModelExecutor, resolve_device, resolve_dtype, resolve_quantization
+    from segue.executor.kernel_plan import plan_kernels, resolve_device
+    from segue.executor.model_executor import ModelExecutor
     from segue.model.loader import load_checkpoint
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.model.device)
-    dtype = resolve_dtype(config.model.dtype, device)
-    quant = resolve_quantization(config.model.quantization, device)
-    # Quantized weights are made from full-precision ones, not from a bf16-rounded copy.
-    ckpt = load_checkpoint(config.model.model, dtype=dtype if quant.value == "none" else torch.float32)
-    executor = ModelExecutor(ckpt, config.cache, device, dtype, quant)
+    kernels = None
+    if device.type == "cpu":
+        from segue.model.cpu_kernels import load_cpu_kernels
+        kernels = load_cpu_kernels()
+    # Loaded in full precision unless both choices are fixed: quantized weights are made from
+    # full-precision ones, not from a bf16-rounded copy, and "auto" is decided after loading.
+    fixed = config.model.dtype != "auto" and config.model.quantization == "none"
+    ckpt = load_checkpoint(config.model.model, dtype=getattr(torch, config.model.dtype) if fixed else torch.float32)
+    plan = plan_kernels(config.model, ckpt.config, device, kernels)
+    executor = ModelExecutor(ckpt, config.cache, device, plan, kernels)
     return LoadedModel(executor, ckpt.tokenizer, ckpt.config, ckpt.name, ckpt.chat_template)
 
 

@@ -14,73 +14,28 @@ from segue.model.attention import AttentionMetadata, PrefillChunk
 from segue.model.kv_cache import KVCache
 from segue.model.llama import LlamaModel
 from segue.model.loader import LoadedCheckpoint
-from segue.model.quant import Quantization
+from segue.executor.kernel_plan import KernelPlan
 from segue.model.sampler import sample
 from segue.sched.output import ScheduledSeq, SchedulerOutput
 from segue.structured.bitmask import fill_bitmask
 
 logger = logging.getLogger(__name__)
 
-# Quantized layers run batches of more rows than this through their kept full-precision weight:
-# the GEMM turns compute-bound and the fp32 kernel wins (measured, BENCHMARKS.md).
-DENSE_ABOVE_ROWS = 16
-# The LM head (vocabulary x hidden, 113 MB in fp32 for the default model) is too big for any
-# cache, so its GEMM stays bound by weight bytes longer: int8 measured 1.2-2.7x faster than
-# fp32 up to 96 rows on an AVX2 EPYC, slower at 128.
-HEAD_DENSE_ABOVE_ROWS = 96
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX), where bf16 GEMMs beat
-    fp32; without them bf16 GEMMs are emulated and run ~3-4x slower than fp32 (measured)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        flags = []
-    if flags:
-        return "avx512_bf16" in flags or "amx_bf16" in flags
-    # No /proc (macOS, Windows): torch's own dispatch level is the best available hint.
-    return torch.backends.cpu.get_cpu_capability() == "AVX512_BF16"
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        return torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
-    return _DTYPES[name]
-
-
-def resolve_quantization(name: str, device: torch.device) -> Quantization:
-    """"auto": int8 weights on CPU (decode streams every weight each step, and the int8 kernel
-    reads a quarter of the fp32 bytes), none on CUDA (no fast kernel wired there)."""
-    if name == "auto":
-        return Quantization.INT8 if device.type == "cpu" else Quantization.NONE
-    return Quantization(name)
-
-
 class ModelExecutor(Executor):
-    def __init__(self, ckpt: LoadedCheckpoint, cache: CacheConfig, device: torch.device,
-                 dtype: torch.dtype, quantization: Quantization = Quantization.NONE) -> None:
+    def __init__(self, ckpt: LoadedCheckpoint, cache: CacheConfig, device: torch.device, plan: KernelPlan,
+                 kernels: object | None = None) -> None:
+        """`kernels`: the native CPU module (segue.model.cpu_kernels), None on CUDA or without a
+        compiler; `plan`: the dtype and kernels per batch size (segue.executor.kernel_plan)."""
         self.device = device
-        self.dtype = dtype
+        dtype = self.dtype = plan.dtype
         self.config = ckpt.config
-        self.quantization = quantization
-        kernels = None
-        if device.type == "cpu":
-            from segue.model.cpu_kernels import load_cpu_kernels
-            kernels = load_cpu_kernels()
-        self.model = LlamaModel(ckpt.config, ckpt.weights, device, dtype, quantization, kernels,
-                                dense_above=DENSE_ABOVE_ROWS, head_dense_above=HEAD_DENSE_ABOVE_ROWS)
+        self.quantization = plan.quantization
+        self.plan = plan
+        self.model = LlamaModel(ckpt.config, ckpt.weights, device, dtype, plan.quantization, kernels,
+                                dense_above=plan.quantized_rows, head_dense_above=plan.head_quantized_rows)
         cfg = ckpt.config
         self.block_size = cache.block_size
         self.kv_dtype = dtype if cache.kv_cache_dtype == "auto" else _DTYPES[cache.kv_cache_dtype]

@@ -9,15 +9,19 @@ SiLU-gating), which in torch form are dozens of small ops per layer. When the bu
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import time
 from functools import lru_cache
 from pathlib import Path
 
+from segue.model.kernel_table import cpu_identity
+
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp", "quant_ops.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp", "quant_ops.cpp")]
 # Headers the sources include: part of the module's hash, not compiled on their own.
 _HEADERS = [Path(__file__).parent / "csrc" / "avx2_common.h"]
 
@@ -27,12 +31,19 @@ _HEADERS = [Path(__file__).parent / "csrc" / "avx2_common.h"]
 _STALE_LOCK_S = 20 * 60
 
 
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+
+
 def _module_name() -> str:
-    """Named by a hash of the sources, so two checkouts with different kernels (or an upgrade) do
-    not rebuild over each other's cache entry."""
+    """Named by a hash of the sources, the compiler flags and the CPU's identity: two checkouts
+    with different kernels (or an upgrade) do not rebuild over each other's cache entry, and a
+    module built with -march=native for one CPU is never loaded on another (where it could die
+    of SIGILL), e.g. from a home directory shared between machines."""
     digest = hashlib.sha256()
     for path in _SOURCES + _HEADERS:
         digest.update(path.read_bytes())
+    digest.update(" ".join(_CFLAGS).encode())
+    digest.update(json.dumps(cpu_identity(), sort_keys=True).encode())
     return f"segue_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
@@ -63,7 +74,7 @@ def load_cpu_kernels():
         name = _module_name()
         _clear_stale_lock(name)
         return load(name=name, sources=[str(p) for p in _SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                    extra_cflags=_CFLAGS,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # the torch path is correct, only slower
         logger.warning("CPU paged-attention kernel unavailable (%s); using the torch path", e)

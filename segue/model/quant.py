@@ -85,6 +85,8 @@ class LinearWeights:
         self.out_features, self.in_features = weight.shape
         if not group_supported(self.in_features):
             quant = Quantization.NONE  # rows not a whole number of groups: keep full precision
+        if kernels is not None and dense_above <= 0:
+            quant = Quantization.NONE  # the kernel table found no batch size where it wins
         self.mode = quant
         self.dense_above = dense_above
         self._kernels = kernels if quant is not Quantization.NONE else None

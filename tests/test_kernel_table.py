@@ -1,0 +1,126 @@
+"""Kernels chosen by measurement: the table's decisions, the plan an executor gets from it, and
+the on-disk cache that must never hand a table to another machine."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from segue.config import ModelLoadConfig
+from segue.executor import kernel_plan
+from segue.model import kernel_table as kt
+from segue.model.config import ModelConfig
+from segue.model.quant import Quantization
+
+TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=16, max_position_embeddings=128)
+
+
+def table(int8: dict[int, float], fp32: dict[int, float], bf16: dict[int, float],
+          head_int8: dict[int, float] | None = None) -> kt.KernelTable:
+    head_int8 = int8 if head_int8 is None else head_int8
+    return kt.KernelTable({"cpu": "test"}, {
+        "layers": {"float32": fp32, "bfloat16": bf16, "int8": int8},
+        "lm_head": {"float32": fp32, "bfloat16": bf16, "int8": head_int8}})
+
+
+# A CPU where bf16 GEMMs are fast and int8 wins only at 1-8 rows.
+ROWS = (1, 8, 16, 32, 2048)
+BF16_CPU = table(int8={1: 1.0, 8: 1.5, 16: 4.0, 32: 9.0}, fp32={1: 3.0, 8: 3.2, 16: 3.5, 32: 4.0, 2048: 200.0},
+                 bf16={1: 2.0, 8: 2.1, 16: 2.2, 32: 2.5, 2048: 60.0})
+# An AVX2-like CPU: bf16 emulated (slow), int8 wins up to 16 rows against fp32.
+AVX2_CPU = table(int8={1: 1.0, 8: 1.5, 16: 2.9, 32: 9.0}, fp32={1: 3.0, 8: 3.2, 16: 3.5, 32: 4.0, 2048: 100.0},
+                 bf16={1: 9.0, 8: 9.5, 16: 10.0, 32: 12.0, 2048: 400.0})
+
+
+def test_decisions_follow_the_timings():
+    assert BF16_CPU.dense_dtype() == "bfloat16"
+    assert AVX2_CPU.dense_dtype() == "float32"
+    assert BF16_CPU.quantized_up_to("layers", "int8", "bfloat16") == 8
+    assert AVX2_CPU.quantized_up_to("layers", "int8", "float32") == 16
+    assert BF16_CPU.best("layers", 5, ("bfloat16", "int8")) == "int8"     # 5 rows: timed at 8
+    assert BF16_CPU.best("layers", 9, ("bfloat16", "int8")) == "bfloat16"  # 9 rows: timed at 16
+    assert BF16_CPU.best("layers", 5000, ("bfloat16", "int8")) == "bfloat16"  # past the ladder: its end
+    never = table(int8={1: 5.0}, fp32={1: 1.0, 2048: 9.0}, bf16={1: 1.0, 2048: 9.0})
+    assert never.quantized_up_to("layers", "int8", "float32") == 0
+
+
+def test_round_trip_and_format():
+    again = kt.KernelTable.from_json(BF16_CPU.to_json())
+    assert again == BF16_CPU
+    text = BF16_CPU.format()
+    assert "layers" in text and "lm_head" in text and "int8" in text
+
+
+@pytest.fixture
+def fake_table(monkeypatch):
+    current = {}
+    monkeypatch.setattr(kt, "kernel_table", lambda config, kernels: current["table"])
+    return current
+
+
+def test_plan_on_cpu_follows_the_table(fake_table):
+    cpu, kernels = torch.device("cpu"), object()
+    fake_table["table"] = BF16_CPU
+    plan = kernel_plan.plan_kernels(ModelLoadConfig(), TINY, cpu, kernels)
+    # bf16 wins, and "auto" does not put int8 weights under bf16 activations (quality bar).
+    assert (plan.dtype, plan.quantization, plan.quantized_rows) == (torch.bfloat16, Quantization.NONE, 0)
+    # An explicit int8 under bf16 runs int8 where it beats the bf16 GEMM.
+    plan = kernel_plan.plan_kernels(ModelLoadConfig(quantization="int8"), TINY, cpu, kernels)
+    assert (plan.dtype, plan.quantization, plan.quantized_rows, plan.head_quantized_rows) == \
+        (torch.bfloat16, Quantization.INT8, 8, 8)
+    fake_table["table"] = AVX2_CPU
+    plan = kernel_plan.plan_kernels(ModelLoadConfig(), TINY, cpu, kernels)
+    assert (plan.dtype, plan.quantization, plan.quantized_rows) == (torch.float32, Quantization.INT8, 16)
+    # An explicit dtype keeps it; the quantized row range is measured against that dtype's GEMM
+    # (emulated bf16 is slow, so int8 wins further).
+    plan = kernel_plan.plan_kernels(ModelLoadConfig(dtype="bfloat16", quantization="int8"), TINY, cpu, kernels)
+    assert (plan.dtype, plan.quantized_rows) == (torch.bfloat16, 32)
+    # Where int8 never wins, "auto" does not quantize.
+    fake_table["table"] = table(int8={1: 5.0}, fp32={1: 1.0, 2048: 9.0}, bf16={1: 2.0, 2048: 19.0})
+    assert kernel_plan.plan_kernels(ModelLoadConfig(), TINY, cpu, kernels).quantization is Quantization.NONE
+
+
+def test_no_native_kernels_means_no_auto_quantization(fake_table):
+    fake_table["table"] = AVX2_CPU
+    plan = kernel_plan.plan_kernels(ModelLoadConfig(), TINY, torch.device("cpu"), None)
+    assert plan.quantization is Quantization.NONE and plan.quantized_rows == 0
+
+
+def test_cuda_needs_no_table(fake_table):
+    plan = kernel_plan.plan_kernels(ModelLoadConfig(), TINY, torch.device("cuda"), None)
+    assert (plan.dtype, plan.quantization) == (torch.bfloat16, Quantization.NONE)
+    plan = kernel_plan.plan_kernels(ModelLoadConfig(dtype="float32", quantization="int8"), TINY,
+                                    torch.device("cuda"), None)
+    assert (plan.dtype, plan.quantization) == (torch.float32, Quantization.INT8)
+
+
+def test_measured_once_then_cached_under_this_machines_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("SEGUE_CACHE_DIR", str(tmp_path))
+    measured = []
+    real = kt.measure
+
+    def counting(config, kernels, key):
+        measured.append(key)
+        return real(config, kernels, key)
+
+    monkeypatch.setattr(kt, "measure", counting)
+    first = kt.kernel_table(TINY, None)
+    assert len(measured) == 1
+    assert set(first.timings_ms) == {"layers", "lm_head"}
+    assert set(first.timings_ms["layers"]["float32"]) == set(kt.ROWS)
+    assert kt.kernel_table(TINY, None) == first and len(measured) == 1   # from the cache
+    # A file whose key is another machine's is never used, even under this machine's name.
+    (path,) = (tmp_path / "kernel_tables").glob("*.json")
+    raw = json.loads(path.read_text())
+    raw["key"]["flags"] = "another-cpu"
+    path.write_text(json.dumps(raw))
+    assert kt.kernel_table(TINY, None).key == first.key and len(measured) == 2
+
+
+def test_the_compiled_module_is_named_by_cpu_and_compiler_flags(monkeypatch):
+    from segue.model import cpu_kernels
+    name = cpu_kernels._module_name()
+    monkeypatch.setattr(cpu_kernels, "cpu_identity", lambda: {"cpu": "x", "machine": "y", "flags": "other"})
+    assert cpu_kernels._module_name() != name

@@ -1,0 +1,129 @@
+"""The native paged prefill attention kernel against a float64 reference: chunks that start at 0
+or continue cached context, partial blocks, contexts not a multiple of the key tile, several
+sequences per call, GQA, fp32 / bf16 caches, strided queries; and wrong calls raise."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from segue.model.cpu_kernels import load_cpu_kernels
+
+KERNELS = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="native CPU kernels unavailable")
+
+HD = 64
+
+
+def reference(q, kc, vc, starts, start_pos, tables, scale):
+    """Each chunk's context gathered through its block table, causal by absolute position, in float64."""
+    kvh, _, bs, _ = kc.shape
+    group = q.shape[1] // kvh
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, sp in enumerate(start_pos):
+        a, b = starts[i], starts[i + 1]
+        ctx = sp + (b - a)
+        blocks = tables[i][: (ctx + bs - 1) // bs]
+        k = kc.double()[:, blocks].reshape(kvh, -1, HD)[:, :ctx].repeat_interleave(group, 0)
+        v = vc.double()[:, blocks].reshape(kvh, -1, HD)[:, :ctx].repeat_interleave(group, 0)
+        scores = q[a:b].double().transpose(0, 1) @ k.transpose(1, 2) * scale
+        visible = torch.arange(ctx)[None, :] <= torch.arange(sp, ctx)[:, None]
+        out[a:b] = (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+    return out
+
+
+def make_case(lens, start_pos, kv_heads=3, group=3, block_size=16, num_blocks=160, dtype=torch.float32,
+              cache_dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(kv_heads, num_blocks, block_size, HD, generator=g).to(cache_dtype)
+    vc = torch.randn(kv_heads, num_blocks, block_size, HD, generator=g).to(cache_dtype)
+    need = [(sp + n + block_size - 1) // block_size for n, sp in zip(lens, start_pos)]
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    assert sum(need) <= num_blocks
+    tables, used = [], 0
+    for n in need:  # disjoint, shuffled blocks; padding past a table's end must never be read
+        tables.append(perm[used:used + n] + [num_blocks + 7] * (max(need) - n))
+        used += n
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], kv_heads * group, HD, generator=g).to(dtype)
+    return q, kc, vc, starts, list(start_pos), tables
+
+
+def run(q, kc, vc, starts, start_pos, tables, scale=HD ** -0.5):
+    # Padding entries point past the cache; the kernel reads only a chunk's own blocks.
+    safe = [[min(b, kc.shape[1] - 1) for b in t] for t in tables]
+    return KERNELS.paged_prefill_attention(q, kc, vc, torch.tensor(starts), torch.tensor(start_pos),
+                                           torch.tensor(safe), scale), safe
+
+
+@pytest.mark.parametrize("lens,start_pos", [
+    ([37], [0]),                      # fresh prompt, partial last block
+    ([400], [1000]),                  # next turn over cached context (not a multiple of the tile)
+    ([1, 70, 33], [50, 0, 301]),      # varlen: a one-token chunk, a fresh one, a continuation
+    ([16, 17], [16, 31]),             # chunk boundaries exactly on and just off a block
+])
+def test_matches_float64_reference_fp32(lens, start_pos):
+    q, kc, vc, starts, sp, tables = make_case(lens, start_pos)
+    out, safe = run(q, kc, vc, starts, sp, tables)
+    ref = reference(q, kc, vc, starts, sp, safe, HD ** -0.5)
+    assert (out.double() - ref).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("kv_heads,group", [(1, 1), (2, 4), (3, 3), (1, 8)])
+def test_gqa_groups(kv_heads, group):
+    q, kc, vc, starts, sp, tables = make_case([45, 20], [77, 5], kv_heads=kv_heads, group=group)
+    out, safe = run(q, kc, vc, starts, sp, tables)
+    assert (out.double() - reference(q, kc, vc, starts, sp, safe, HD ** -0.5)).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32, 64])
+def test_block_sizes(block_size):
+    q, kc, vc, starts, sp, tables = make_case([50], [90], block_size=block_size, num_blocks=200 // block_size + 4)
+    out, safe = run(q, kc, vc, starts, sp, tables)
+    assert (out.double() - reference(q, kc, vc, starts, sp, safe, HD ** -0.5)).abs().max().item() < 2e-5
+
+
+def test_bf16_cache_under_fp32_queries_reads_the_rows_exactly():
+    q, kc, vc, starts, sp, tables = make_case([60, 9], [200, 3], cache_dtype=torch.bfloat16)
+    out, safe = run(q, kc, vc, starts, sp, tables)
+    assert out.dtype == torch.float32
+    # The reference sees the same bf16-rounded rows: the only error is fp32 accumulation.
+    assert (out.double() - reference(q, kc, vc, starts, sp, safe, HD ** -0.5)).abs().max().item() < 2e-5
+
+
+def test_bf16_model():
+    q, kc, vc, starts, sp, tables = make_case([60, 9], [200, 3], dtype=torch.bfloat16, cache_dtype=torch.bfloat16)
+    out, safe = run(q, kc, vc, starts, sp, tables)
+    assert out.dtype == torch.bfloat16
+    # Outputs are rounded to bf16 (relative 2^-8); values are O(1).
+    assert (out.double() - reference(q, kc, vc, starts, sp, safe, HD ** -0.5)).abs().max().item() < 2e-2
+
+
+def test_strided_queries_as_from_the_fused_qkv_projection():
+    q, kc, vc, starts, sp, tables = make_case([40], [64])
+    qkv = torch.cat([q.flatten(1), torch.randn(q.shape[0], 2 * 3 * HD)], dim=1)  # [T, (9 + 6) * 64]
+    view = qkv[:, :q.shape[1] * HD].view(q.shape[0], q.shape[1], HD)
+    assert not view.is_contiguous()
+    out, _ = run(view, kc, vc, starts, sp, tables)
+    assert torch.equal(out, run(q, kc, vc, starts, sp, tables)[0])
+
+
+def test_a_one_token_context_is_the_value_itself():
+    q, kc, vc, starts, sp, tables = make_case([1], [0])
+    out, safe = run(q, kc, vc, starts, sp, tables)
+    v0 = vc[:, safe[0][0], 0]  # [kv_heads, dim]: each query head of a group gets its KV head's row
+    assert torch.allclose(out[0], v0.repeat_interleave(3, 0), atol=1e-6)
+
+
+def test_wrong_calls_raise():
+    q, kc, vc, starts, sp, tables = make_case([20], [10])
+    args = [torch.tensor(starts), torch.tensor(sp), torch.tensor(tables)]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        KERNELS.paged_prefill_attention(q, kc, vc, args[0], args[1], torch.tensor([[10**6, 0]]), 0.125)
+    with pytest.raises(RuntimeError, match="blocks"):  # the table is too short for the context
+        KERNELS.paged_prefill_attention(q, kc, vc, args[0], torch.tensor([500]), args[2], 0.125)
+    with pytest.raises(RuntimeError, match="span"):
+        KERNELS.paged_prefill_attention(q, kc, vc, torch.tensor([0, 5]), args[1], args[2], 0.125)
+    with pytest.raises(RuntimeError, match="head size"):
+        KERNELS.paged_prefill_attention(q[..., :32].contiguous(), kc, vc, *args, 0.125)
