@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp", "quant_ops.cpp")]
 # Headers the sources include: part of the module's hash, not compiled on their own.
-_HEADERS = [Path(__file__).parent / "csrc" / "avx2_common.h"]
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("avx2_common.h", "prefill_bf16.h")]
 
 
 # torch's builder waits for ever on a lock file that a killed build left behind; a real build of

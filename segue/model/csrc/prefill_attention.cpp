@@ -11,9 +11,12 @@
 // The arithmetic uses GCC vector extensions (16 fp32 lanes): one zmm register where the compiler
 // targets AVX-512, two ymm on AVX2, scalar code elsewhere; the module is compiled on the machine
 // that runs it (-march=native). Scores, softmax and the output accumulate in fp32 whatever the
-// storage dtype.
+// storage dtype. bf16 models on CPUs with AVX512-BF16 take prefill_bf16.h's tile instead.
 #include <torch/extension.h>
 #include <omp.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -31,11 +34,15 @@ inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 inline v16 splat(float x) { return v16{} + x; }
 
+#ifdef __AVX512F__
+inline float hmax(v16 v) { return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v)); }
+#else
 inline float hmax(v16 v) {
   float m = v[0];
   for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
   return m;
 }
+#endif
 
 // exp over 16 lanes; -ffast-math lets the compiler call the vector exp of libmvec.
 inline v16 vexp(v16 x) {
@@ -65,13 +72,40 @@ struct Scratch {
   alignas(64) float vt[KB * 64];     // V tile as fp32 rows: [key][dim]
 };
 
+#ifdef __AVX512F__
+inline float hsum(v16 v) { return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v)); }
+#else
 inline float hsum(v16 v) {
   float t = 0.f;
   for (int i = 0; i < 16; ++i) t += v[i];
   return t;
 }
+#endif
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// One row's online-softmax step over a tile of KB scores: keys past `last` (the row's own
+// position) or past `nk` (the context) are masked; the running max m and sum l are updated, the
+// output row o rescaled, and the tile's probabilities written to p (zeros where masked).
+inline void softmax_update(v16 sc[2], int64_t last, int64_t nk, float& m, float& l, float* o, float* p) {
+  if (last < KB - 1 || nk < KB)
+    for (int64_t j = 0; j < KB; ++j)
+      if (j > last || j >= nk) sc[j / 16][j % 16] = NEG_INF;
+  const float mx = std::max(hmax(sc[0]), hmax(sc[1]));
+  if (mx == NEG_INF) {  // no visible key for this row in this tile
+    std::fill(p, p + KB, 0.f);
+    return;
+  }
+  const float m_new = std::max(m, mx);
+  const float alpha = std::exp(m - m_new);  // 0 on the row's first tile
+  const v16 p0 = vexp(sc[0] - m_new), p1 = vexp(sc[1] - m_new);
+  store(p, p0);
+  store(p + 16, p1);
+  l = l * alpha + hsum(p0 + p1);
+  m = m_new;
+  if (alpha != 1.f)
+    for (int64_t d = 0; d < 64; d += 16) store(o + d, load(o + d) * alpha);
+}
 
 // Scores of four query rows against the tile's KB keys: eight independent FMA chains, each
 // K vector loaded once for four rows.
@@ -164,27 +198,8 @@ void attend_tile(const Tile& tile, const T* q, int64_t q_row_stride, const C* kc
           std::fill(p, p + KB, 0.f);
           continue;
         }
-        if (needs_mask) {
-          const int64_t last = first_pos + row / group - k0;  // last visible key of this row in the tile
-          for (int64_t j = 0; j < KB; ++j)
-            if (j > last || j >= nk) sc[i][j / 16][j % 16] = NEG_INF;
-        }
-        const float mx = std::max(hmax(sc[i][0]), hmax(sc[i][1]));
-        if (mx == NEG_INF) {  // no visible key for this row in this tile
-          std::fill(p, p + KB, 0.f);
-          continue;
-        }
-        const float m_new = std::max(s.m[row], mx);
-        const float alpha = std::exp(s.m[row] - m_new);  // 0 on the row's first tile
-        const v16 p0 = vexp(sc[i][0] - m_new), p1 = vexp(sc[i][1] - m_new);
-        store(p, p0);
-        store(p + 16, p1);
-        s.l[row] = s.l[row] * alpha + hsum(p0 + p1);
-        s.m[row] = m_new;
-        if (alpha != 1.f) {
-          float* o = s.o.data() + row * D;
-          for (int64_t d = 0; d < D; d += 16) store(o + d, load(o + d) * alpha);
-        }
+        const int64_t last = needs_mask ? first_pos + row / group - k0 : KB;  // last visible key
+        softmax_update(sc[i], last, nk, s.m[row], s.l[row], s.o.data() + row * D, p);
       }
       for (int64_t i = 0; i < 4; i += 2)
         accumulate2(s.p.data() + (r + i) * KB, s.p.data() + (r + i + 1) * KB, s.vt,
@@ -198,6 +213,12 @@ void attend_tile(const Tile& tile, const T* q, int64_t q_row_stride, const C* kc
   }
 }
 
+}  // namespace
+
+#include "prefill_bf16.h"
+
+namespace {
+
 template <typename T, typename C>
 void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                   const std::vector<Tile>& tiles, float scale, torch::Tensor& out) {
@@ -209,6 +230,18 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const to
   const C* vp = v_cache.data_ptr<C>();
   T* op = out.data_ptr<T>();
   const int64_t n = static_cast<int64_t>(tiles.size());
+#ifdef SEGUE_PREFILL_BF16
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
+#pragma omp parallel if (n > 1)
+    {
+      bf16dp::Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < n; ++i)
+        bf16dp::attend_tile(tiles[i], qp, q.stride(0), kp, vp, op, heads, group, num_blocks, block_size, scale, scratch);
+    }
+    return;
+  }
+#endif
 #pragma omp parallel if (n > 1)
   {
     Scratch scratch;
