@@ -136,3 +136,28 @@ def test_wrong_calls_raise():
         KERNELS.paged_prefill_attention(q, kc, vc, torch.tensor([0, 5]), args[1], args[2], 0.125)
     with pytest.raises(RuntimeError, match="head size"):
         KERNELS.paged_prefill_attention(q[..., :32].contiguous(), kc, vc, *args, 0.125)
+
+
+def test_decode_and_rope_kernels_reject_wrong_calls():
+    """The other kernels that index the cache check their inputs too: a wrong call raises instead
+    of reading or writing out of bounds."""
+    kvh, nh, bs, blocks = 3, 9, 16, 8
+    kc, vc = torch.zeros(kvh, blocks, bs, HD), torch.zeros(kvh, blocks, bs, HD)
+    q = torch.randn(2, nh, HD)
+    table, ctx = torch.tensor([[0, 1], [2, 3]]), torch.tensor([5, 20])
+    KERNELS.paged_decode_attention(q, kc, vc, table, ctx, 0.125)  # the valid call
+    with pytest.raises(RuntimeError, match="context length 0"):
+        KERNELS.paged_decode_attention(q, kc, vc, table, torch.tensor([0, 20]), 0.125)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        KERNELS.paged_decode_attention(q, kc, vc, torch.tensor([[0, 1], [2, 99]]), ctx, 0.125)
+    with pytest.raises(RuntimeError, match="needs 3 blocks"):
+        KERNELS.paged_decode_attention(q, kc, vc, table, torch.tensor([5, 40]), 0.125)
+    with pytest.raises(RuntimeError, match="head size"):
+        KERNELS.paged_decode_attention(torch.randn(2, nh, 32), kc, vc, table, ctx, 0.125)
+    qkv = torch.randn(3, (nh + 2 * kvh) * HD)
+    cos, sin = torch.randn(10, HD // 2), torch.randn(10, HD // 2)
+    KERNELS.rope_and_cache(qkv.clone(), torch.tensor([0, 1, 9]), cos, sin, kc, vc, torch.tensor([0, 1, 127]), nh, kvh)
+    with pytest.raises(RuntimeError, match="RoPE table"):
+        KERNELS.rope_and_cache(qkv.clone(), torch.tensor([0, 1, 10]), cos, sin, kc, vc, torch.tensor([0, 1, 2]), nh, kvh)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        KERNELS.rope_and_cache(qkv.clone(), torch.tensor([0, 1, 2]), cos, sin, kc, vc, torch.tensor([0, 1, 128]), nh, kvh)

@@ -35,7 +35,8 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor | None = None  # [num_decodes * max_blocks] padded block ids
     decode_mask: torch.Tensor | None = None    # [num_decodes, 1, 1, max_blocks * block_size] bool
     decode_context_lens: torch.Tensor | None = None  # [num_decodes]
-    # The native CPU kernel module when it applies (fp32 on CPU), else None: torch path.
+    # The native CPU kernel module on CPU (fp32, bf16 or fp16 queries; a bf16 cache under fp32),
+    # else None: the torch path.
     decode_kernel: object | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     # The native paged prefill kernel and its varlen arguments, when it applies; else the

@@ -107,9 +107,24 @@ void rope_and_cache(torch::Tensor qkv,           // [T, (heads + 2 * kv_heads) *
   const int64_t hd = k_cache.size(3);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * hd && cos.size(1) * 2 == hd,
               "rope_and_cache: shapes do not match the head layout");
-  positions = positions.contiguous();
-  slot_mapping = slot_mapping.contiguous();
+  positions = positions.to(torch::kInt64).contiguous();
+  slot_mapping = slot_mapping.to(torch::kInt64).contiguous();
   const int64_t cache_slots = k_cache.size(1) * k_cache.size(2);
+  TORCH_CHECK(k_cache.size(0) == num_kv_heads && v_cache.sizes() == k_cache.sizes(),
+              "rope_and_cache: the caches must be [kv_heads, blocks, block_size, dim]");
+  TORCH_CHECK(positions.numel() == qkv.size(0) && slot_mapping.numel() == qkv.size(0),
+              "rope_and_cache: one position and one slot per row");
+  // A wrong call must raise, not read past the RoPE table or write outside the cache.
+  {
+    const int64_t* p = positions.data_ptr<int64_t>();
+    const int64_t* sl = slot_mapping.data_ptr<int64_t>();
+    for (int64_t r = 0; r < qkv.size(0); ++r) {
+      TORCH_CHECK(p[r] >= 0 && p[r] < cos.size(0), "rope_and_cache: position ", p[r], " outside the RoPE table of ",
+                  cos.size(0));
+      TORCH_CHECK(sl[r] >= 0 && sl[r] < cache_slots, "rope_and_cache: slot ", sl[r], " outside the cache of ",
+                  cache_slots, " slots");
+    }
+  }
   if (bf16_cache) {
     rope_and_cache_impl<float, c10::BFloat16>(
         qkv.data_ptr<float>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),

@@ -231,9 +231,31 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [n, heads, 
               "paged_decode_attention: the cache must have q's dtype (or bf16 under fp32)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV cache must be contiguous");
   TORCH_CHECK(q.size(1) / k_cache.size(0) <= 16, "paged_decode_attention: more than 16 query heads per KV head");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode_attention: q must be [n, heads, dim] and the caches [kv_heads, blocks, block_size, dim]");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "paged_decode_attention: q's head size ", q.size(2),
+              " differs from the cache's ", k_cache.size(3));
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "paged_decode_attention: query heads not a multiple of KV heads");
   q = q.contiguous();
-  block_tables = block_tables.contiguous();
-  context_lens = context_lens.contiguous();
+  block_tables = block_tables.to(torch::kInt64).contiguous();
+  context_lens = context_lens.to(torch::kInt64).contiguous();
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.numel() == q.size(0),
+              "paged_decode_attention: one block table row and one context length per query");
+  // A wrong call must raise, not read outside the cache: every block a sequence reads is checked.
+  {
+    const int64_t* bt = block_tables.data_ptr<int64_t>();
+    const int64_t* cl = context_lens.data_ptr<int64_t>();
+    const int64_t max_blocks = block_tables.size(1), bs = k_cache.size(2), nb = k_cache.size(1);
+    for (int64_t s = 0; s < q.size(0); ++s) {
+      TORCH_CHECK(cl[s] >= 1, "paged_decode_attention: context length ", cl[s], " (a query attends to at least itself)");
+      const int64_t blocks = (cl[s] + bs - 1) / bs;
+      TORCH_CHECK(blocks <= max_blocks, "paged_decode_attention: context of ", cl[s], " tokens needs ", blocks,
+                  " blocks, the table has ", max_blocks);
+      for (int64_t b = 0; b < blocks; ++b)
+        TORCH_CHECK(bt[s * max_blocks + b] >= 0 && bt[s * max_blocks + b] < nb,
+                    "paged_decode_attention: block id ", bt[s * max_blocks + b], " outside the cache");
+    }
+  }
   auto out = torch::empty_like(q);
   if (bf16_cache) {
     decode_attention_impl<float, c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens,
