@@ -20,10 +20,11 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal, Optional
 
 import httpx
 import pytest
+from pydantic import BaseModel, Field
 
 pytestmark = pytest.mark.slow
 
@@ -182,3 +183,126 @@ def test_langgraph_tool_agent(server_url: str, stream: bool) -> None:
     assert "<tool_call>" not in last.content
     if stream:
         assert chunks > 2
+
+
+# ---- pydantic schemas, and tools beside an output type ---------------------------------------
+# What agent frameworks send every day: a set (uniqueItems), Literal, Optional, nested models and
+# Field constraints in the tools' arguments, and a response_format (the output type) beside tools.
+# Every request must get a 200 under "auto" and "required"; the first tool result switches the
+# agent to tool_choice "none", so the run ends in an answer of the output type either way.
+
+class Place(BaseModel):
+    city: str = Field(min_length=1, max_length=16)
+    country: Optional[str] = Field(default=None, max_length=12)
+
+
+class Forecast(BaseModel):
+    city: str = Field(max_length=16)
+    sky: Literal["sunny", "rainy", "cloudy"]
+    celsius: int = Field(ge=-40, le=50)
+    signs: set[Literal["wind", "sun", "rain"]]
+
+
+class WeatherArgs(BaseModel):
+    place: Place
+    units: Literal["C", "F"] = "C"
+    extras: set[Literal["uv", "wind"]] = Field(default_factory=set, max_length=2)
+
+
+def run_typed_openai_agent(url: str, stream: bool, choice: str) -> tuple[Any, list[Any], list[int]]:
+    from agents import (Agent, AgentHooks, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
+                        set_tracing_disabled)
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    calls: list[Any] = []
+    statuses: list[int] = []
+
+    @function_tool
+    def get_weather(place: Place, units: Literal["C", "F"], extras: set[Literal["uv", "wind"]]) -> str:
+        """Get the current weather in a place."""
+        calls.append((place, units, extras))
+        return f"It is sunny and 21 C in {place.city}."
+
+    class AnswerAfterResult(AgentHooks):
+        async def on_tool_end(self, context: Any, agent: Any, tool: Any, result: object) -> None:
+            agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice="none")
+
+    async def record(response: httpx.Response) -> None:
+        statuses.append(response.status_code)
+
+    async def main() -> Any:
+        http = httpx.AsyncClient(event_hooks={"response": [record]}, timeout=120)
+        client = AsyncOpenAI(base_url=url, api_key="unused", http_client=http, max_retries=0)
+        agent = Agent(name="weather", instructions="You answer questions about the weather.",
+                      tools=[get_weather], hooks=AnswerAfterResult(), reset_tool_choice=False, output_type=Forecast,
+                      model=OpenAIChatCompletionsModel(model=model_name(url), openai_client=client),
+                      model_settings=ModelSettings(tool_choice=choice, max_tokens=2 * MAX_TOKENS))
+        if stream:
+            result = Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=4)
+            async for _ in result.stream_events():
+                pass
+        else:
+            result = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+        await client.close()
+        return result
+
+    return asyncio.run(main()), calls, statuses
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
+def test_openai_agents_sdk_typed_tools_and_output_type(server_url: str, stream: bool, choice: str) -> None:
+    result, calls, statuses = run_typed_openai_agent(server_url, stream, choice)
+    assert statuses and set(statuses) == {200}
+    assert isinstance(result.final_output, Forecast)
+    if choice == "required":
+        assert len(calls) == 1
+    for place, units, extras in calls:
+        assert place.city and units in ("C", "F") and extras <= {"uv", "wind"}
+
+
+def run_typed_langgraph(url: str, stream: bool, choice: str) -> tuple[list[Any], list[Any]]:
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+
+    calls: list[Any] = []
+    @tool(args_schema=WeatherArgs)
+    def get_weather(place: Any, units: str = "C", extras: Any = None) -> str:
+        """Get the current weather in a place."""
+        calls.append((place, units, extras))
+        return "It is sunny and 21 C."
+
+    llm = ChatOpenAI(base_url=url, api_key="unused", model=model_name(url), max_tokens=4 * MAX_TOKENS,
+                     streaming=stream)
+    caller = llm.bind_tools([get_weather], tool_choice=choice, response_format=Forecast)
+    answerer = llm.bind_tools([get_weather], tool_choice="none", response_format=Forecast)
+
+    def agent(state: MessagesState) -> dict[str, Any]:
+        answered = isinstance(state["messages"][-1], ToolMessage)
+        return {"messages": [(answerer if answered else caller).invoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", agent)
+    graph.add_node("tools", ToolNode([get_weather]))
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
+    graph.add_edge("tools", "agent")
+    messages = graph.compile().invoke({"messages": [HumanMessage("What is the weather in Paris?")]})["messages"]
+    return messages, calls
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+@pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
+def test_langgraph_typed_tools_and_output_type(server_url: str, stream: bool, choice: str) -> None:
+    from langchain_core.messages import AIMessage
+
+    messages, calls = run_typed_langgraph(server_url, stream, choice)  # a 400 would raise here
+    last = messages[-1]
+    assert isinstance(last, AIMessage) and not last.tool_calls
+    Forecast.model_validate_json(last.content)
+    if choice == "required":
+        assert len(calls) == 1

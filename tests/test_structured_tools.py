@@ -127,3 +127,14 @@ def _free_string_run(backend: GrammarBackend, output_limit: int, prompt_room: in
 
 def test_an_answer_the_context_window_cuts_is_steered_to_close(backend: GrammarBackend) -> None:
     assert set(json.loads(_free_string_run(backend, output_limit=40, prompt_room=40))) == {"title"}
+
+
+def test_a_set_of_enum_values_never_repeats_one(backend: GrammarBackend) -> None:
+    schema = {"type": "object", "properties": {"s": {"type": "array", "uniqueItems": True,
+                                                     "items": {"enum": ["uv", "wind", "sun"], "type": "string"}}},
+              "required": ["s"]}
+    spec = StructuredSpec.json_schema(schema)
+    for good in ('{"s": []}', '{"s": ["uv", "wind"]}', '{"s": ["uv", "wind", "sun"]}', '{"s": ["sun"]}'):
+        assert accepts(backend, spec, good), good
+    for bad in ('{"s": ["wind", "wind"', '{"s": ["uv", "wind", "sun", "uv"'):
+        assert not backend.matcher(spec, 0).matcher.consume_tokens(encode(bad)), bad

@@ -20,6 +20,7 @@ validated against the full schema with jsonschema (server/chat_tools.py, check_a
 """
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -47,7 +48,7 @@ _SCHEMA_VALUES = ("items", "additionalProperties", "not", "contains", "if", "the
 
 def closed_objects(schema: Any) -> Any:
     """The schema with `additionalProperties: false` on every object schema that lists properties
-    and says nothing about others. Every output is still valid against the original schema (it
+    and says nothing about others, and sets of a few enum values spelled out (_enum_set). Every output is still valid against the original schema (it
     only narrows what may be generated), and a small model then cannot ramble on in invented keys
     until max_tokens cuts the JSON off. xgrammar's default "strict mode" does the same."""
     if not isinstance(schema, dict):
@@ -65,7 +66,27 @@ def closed_objects(schema: Any) -> Any:
     if "properties" in out and not any(k in out for k in ("additionalProperties", "patternProperties",
                                                             "unevaluatedProperties")):
         out["additionalProperties"] = False
+    items = out.get("items")
+    if (out.get("uniqueItems") is True and isinstance(items, dict) and isinstance(items.get("enum"), list)
+            and len(items) <= 2 and set(items) <= {"enum", "type"} and len(items["enum"]) <= _MAX_SET_ENUM):
+        return _enum_set(out, items["enum"])
     return out
+
+
+# llguidance cannot enforce uniqueItems (lenient: ignored), and measured, the default model repeats
+# a value (["wind", "wind"]) until max_tokens or into a call that fails its schema. A set of a few
+# enum values (pydantic's set[Literal[...]]) is spelled out instead: its subsets in enum order.
+_MAX_SET_ENUM = 6
+
+
+def _enum_set(schema: dict[str, Any], values: list[Any]) -> dict[str, Any]:
+    lo, hi = schema.get("minItems", 0), min(schema.get("maxItems", len(values)), len(values))
+    subsets = [{"maxItems": 0}] if lo == 0 else []
+    for n in range(max(lo, 1), hi + 1):
+        subsets += [{"prefixItems": [{"const": v} for v in combo], "items": False, "minItems": n}
+                    for combo in itertools.combinations(values, n)]
+    rest = {k: v for k, v in schema.items() if k not in ("items", "uniqueItems", "minItems", "maxItems")}
+    return {**rest, "type": "array", "anyOf": subsets}
 
 
 def _lit(text: str) -> str:
