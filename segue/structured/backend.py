@@ -19,21 +19,11 @@ from typing import Any, Sequence
 
 from segue.sampling_params import InvalidRequestError
 from segue.structured.closing import ClosingSteer
-from segue.structured.request_grammar import RequestGrammar
+from segue.structured.request_grammar import Compiled, RequestGrammar
 from segue.structured.spec import StructuredKind, StructuredSpec
 from segue.structured.tool_grammar import with_json_options
 
 MAX_CACHED_GRAMMARS = 512
-
-
-@dataclass(eq=False)
-class Compiled:
-    """A spec's pristine matcher, and the Compiled of what follows a resume (itself for a sticky
-    spec; None: unconstrained). Held by each request's grammar, so no cache eviction can ever make
-    a resume compile."""
-    spec: StructuredSpec
-    matcher: Any
-    next: Compiled | None = None
 
 
 @dataclass

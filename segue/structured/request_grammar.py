@@ -10,13 +10,25 @@ that follows this grammar (`resumed`), compiled with it, or one compiled from ne
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from segue.structured.spec import StructuredSpec
+
 if TYPE_CHECKING:
-    from segue.structured.backend import Compiled
     from segue.structured.closing import ClosingSteer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Compiled:
+    """A spec's pristine matcher (compiled by backend.py), and the Compiled of what follows a
+    resume (itself for a sticky spec; None: unconstrained). Held by each request's grammar, so no
+    cache eviction can ever make a resume compile."""
+    spec: StructuredSpec
+    matcher: Any
+    next: Compiled | None = None
 
 
 class RequestGrammar:
