@@ -70,8 +70,14 @@ class SchedulerConfig:
     # time grows with the tokens in the batch. Throughput work (a program's task group) alone may
     # fill the pool. None: no cap.
     latency_capacity_tokens: int | None = None
+    # Eviction order of finished requests' cached blocks: "lru" (least recently freed first) or
+    # "reuse" (LRU shifted by each block's expected reuse distance, segue/kv/reuse.py; ahead of
+    # LRU at every capacity on the Mooncake traces, BENCHMARKS.md).
+    prefix_eviction: str = "lru"
 
     def validate(self) -> None:
+        if self.prefix_eviction not in ("lru", "reuse"):
+            raise ConfigError("prefix_eviction must be lru or reuse")
         if self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
@@ -91,14 +97,21 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 class ModelLoadConfig:
     # Path to a .gguf file or a Hugging Face checkpoint directory; None: the embedded default.
     model: str | None = None
-    # "auto": bfloat16 on CUDA and on CPUs with bf16 matrix instructions (AVX512-BF16, AMX),
-    # else float32 (bf16 GEMMs are emulated there and slower).
+    # "auto": bfloat16 on CUDA; on CPU the dtype whose GEMMs this machine runs fastest (its
+    # measured kernel table, segue/model/kernel_table.py): bf16 where it has bf16 matrix
+    # instructions, float32 where bf16 is emulated.
     dtype: str = "auto"
     device: str = "auto"
     served_model_name: str | None = None
-    # Weight-only quantization of the linear layers: "auto" (int8 on CPU, none on CUDA), "none",
-    # "int8" or "int4", both with a scale per group of 32 weights along the input (segue/model/quant.py).
+    # Weight-only quantization of the linear layers: "auto" (on CPU int8 for the batch sizes where
+    # the kernel table measured it faster, float32 models only; none on CUDA), "none", "int8" or
+    # "int4", both with a scale per group of 32 weights along the input (segue/model/quant.py).
     quantization: str = "auto"
+    # Every batch size runs the same kernels (the quantized native ones, whose per-row summation
+    # order does not depend on the other rows), so a request's output does not depend on the load;
+    # prefill is slower. Off by default, as in vLLM: then batches above the quantized range run a
+    # GEMM over the same dequantized weights, and only the summation order differs.
+    batch_invariant: bool = False
     # Sampling settings for the fields a request leaves out: "auto" the model's recommended ones
     # (segue/generation_defaults.py), "none" the OpenAI API's (temperature 1, top_p 1), or a
     # directory holding a generation_config.json — vLLM's --generation-config.

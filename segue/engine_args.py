@@ -15,7 +15,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
-                   help="weight-only quantization of the linear layers (auto: int8 on CPU, none on CUDA)")
+                   help="weight-only quantization of the linear layers (auto: on CPU, int8 for the batch "
+                        "sizes where this machine's kernel table measured it faster; none on CUDA)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="the same kernels at every batch size, so a request's output does not depend on "
+                        "the load (CPU, native kernels; int8 unless --quantization int4; slower prefill)")
     g.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
                    help="sampling settings for fields a request leaves out: the model's recommended "
                         "ones (auto), the OpenAI API defaults (none), or a directory's "
@@ -49,7 +53,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelLoadConfig(model=args.model, dtype=args.dtype, device=args.device,
                               served_model_name=args.served_model_name, quantization=args.quantization,
-                              generation_config=args.generation_config),
+                              generation_config=args.generation_config,
+                              batch_invariant=getattr(args, "batch_invariant", False)),
         cache=CacheConfig(block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
                           kv_cache_bytes=args.kv_cache_bytes, swap_space_tokens=args.swap_space_tokens,
                           kv_cache_dtype=args.kv_cache_dtype,

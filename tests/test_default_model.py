@@ -36,3 +36,22 @@ def test_greedy_matches_transformers_token_for_token(llm):
     results = run_to_completion(engine)
     for rid, prompt in zip(ids, prompts):
         assert results[rid].outputs[0].token_ids == hf_greedy(model, prompt, 24)
+
+
+def test_batch_invariant_output_does_not_depend_on_the_batch():
+    """--batch-invariant: a greedy request gives the same tokens alone and in a full batch (whose
+    steps mix its decodes with other requests' prefill chunks). The default configuration does
+    not promise this (batches run other GEMM kernels, as in vLLM's default)."""
+    engine = LLM(batch_invariant=True).engine
+    questions = ["Write a haiku about the sea.", "List three prime numbers.", "Who wrote Hamlet?"]
+    prompts = [engine.encode(engine.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    alone = []
+    for p in prompts:
+        rid = engine.add_request(None, p, params).request_id
+        alone.append(run_to_completion(engine)[rid].outputs[0].token_ids)
+    filler = [engine.encode(engine.apply_chat_template([{"role": "user", "content": f"Count to {i}."}]))
+              for i in range(40)]
+    ids = [engine.add_request(None, p, params).request_id for p in prompts + filler]
+    results = run_to_completion(engine)
+    assert [results[rid].outputs[0].token_ids for rid in ids[:len(prompts)]] == alone

@@ -124,3 +124,16 @@ def test_the_compiled_module_is_named_by_cpu_and_compiler_flags(monkeypatch):
     name = cpu_kernels._module_name()
     monkeypatch.setattr(cpu_kernels, "cpu_identity", lambda: {"cpu": "x", "machine": "y", "flags": "other"})
     assert cpu_kernels._module_name() != name
+
+
+def test_batch_invariant_plan_runs_the_quantized_kernels_at_every_size(fake_table):
+    from segue.config import ConfigError
+    load = ModelLoadConfig(batch_invariant=True)
+    plan = kernel_plan.plan_kernels(load, TINY, torch.device("cpu"), object())
+    assert plan.quantization is Quantization.INT8 and plan.dtype == torch.float32
+    assert plan.quantized_rows >= 1 << 20 and plan.head_quantized_rows >= 1 << 20
+    with pytest.raises(ConfigError, match="native CPU kernels"):
+        kernel_plan.plan_kernels(load, TINY, torch.device("cpu"), None)
+    with pytest.raises(ConfigError, match="quantization"):
+        kernel_plan.plan_kernels(ModelLoadConfig(batch_invariant=True, quantization="none"), TINY,
+                                 torch.device("cpu"), object())

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from segue.config import ModelLoadConfig
+from segue.config import ConfigError, ModelLoadConfig
 from segue.model.config import ModelConfig
 from segue.model.quant import Quantization
 
@@ -21,7 +21,7 @@ class KernelPlan:
     dtype: torch.dtype
     quantization: Quantization
     # Quantized layers run batches of at most this many rows through the quantized kernel, larger
-    # ones through the kept full-precision weight (0: never quantized); the same for the LM head.
+    # ones through a GEMM over the dequantized weight (0: never quantized); the same for the LM head.
     quantized_rows: int = 0
     head_quantized_rows: int = 0
 
@@ -38,10 +38,12 @@ def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.devic
     the kernel table (the dtype first, then int8 where it beats that dtype's GEMM), and so do the
     row ranges of an explicit quantization. Without native kernels a quantization would only
     dequantize (worse numbers, no speed), so "auto" is none."""
-    if device.type != "cpu":
+    if device.type != "cpu" and not load.batch_invariant:
         dtype = torch.bfloat16 if load.dtype == "auto" else _DTYPES[load.dtype]
         quant = Quantization.NONE if load.quantization == "auto" else Quantization(load.quantization)
         return KernelPlan(dtype, quant)
+    if load.batch_invariant:
+        return _batch_invariant_plan(load, device, kernels)
     from segue.model.kernel_table import kernel_table
 
     table = kernel_table(config, kernels)
@@ -65,3 +67,22 @@ def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.devic
     logger.info("kernels: %s, %s weights up to %d rows (LM head %d), from the kernel table of %s",
                 dtype_name, quant.value, rows, head_rows, table.key.get("cpu"))
     return plan
+
+
+# Larger than any batch: the quantized kernels take every row.
+_EVERY_BATCH = 1 << 30
+
+
+def _batch_invariant_plan(load: ModelLoadConfig, device: torch.device, kernels: object | None) -> KernelPlan:
+    """The native quantized kernels at every batch size: each output row is summed in the same
+    order whatever the other rows (segue/model/csrc/quant_ops.cpp), as are the attention kernels'
+    rows, so nothing in a request's forward depends on the batch."""
+    if device.type != "cpu" or kernels is None:
+        raise ConfigError("batch_invariant needs the native CPU kernels (a CPU device with a working compiler)")
+    if load.quantization == "none":
+        raise ConfigError("batch_invariant runs the quantized native kernels at every batch size: "
+                          "use quantization auto, int8 or int4")
+    quant = Quantization.INT4 if load.quantization == "int4" else Quantization.INT8
+    # The kernels accumulate in fp32; bf16 activations would only add a rounding per layer.
+    dtype = torch.float32 if load.dtype == "auto" else _DTYPES[load.dtype]
+    return KernelPlan(dtype, quant, _EVERY_BATCH, _EVERY_BATCH)

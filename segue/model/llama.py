@@ -49,7 +49,7 @@ class _Layer:
 class LlamaModel:
     """`kernels`: the native CPU module (segue.model.cpu_kernels) for the fused elementwise ops and
     quantized matmuls, or None for the torch forms (CUDA, or no compiler). `dense_above`: with a
-    quantization, batches of more rows than this run the kept full-precision weights;
+    quantization, batches of more rows than this run a GEMM over the dequantized weights;
     `head_dense_above` is the same for the LM head."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],

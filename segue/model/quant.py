@@ -5,8 +5,10 @@ Decoding a small model on a CPU streams every weight once per step, so bytes per
 single-stream speed. Torch's CPU kernels for this (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`) were measured 5-15x slower than the fp32 GEMM with fp32
 activations on an AVX2 CPU (BENCHMARKS.md) and take only per-channel int8 scales, so the
-small-batch path is Segue's own native kernel (segue/model/csrc/quant_ops.cpp). Large batches are compute-bound, and there the fp32 GEMM wins,
-so a quantized layer keeps its full-precision weight for them.
+small-batch path is Segue's own native kernel (segue/model/csrc/quant_ops.cpp). Large batches are
+compute-bound, and there the GEMM wins, so a quantized layer also keeps its dequantized weight in
+the compute dtype for them. Which batch sizes go where is measured per machine
+(segue/model/kernel_table.py).
 """
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ class LinearWeights:
 
     x: [M, K] in the compute dtype; returns [M, N]. Quantized layers run batches of at most
     `dense_above` rows (decode) through the native CPU kernels (`kernels`: segue.model.cpu_kernels)
-    and larger ones (prefill) through the kept full-precision weight. Without native kernels
+    and larger ones (prefill) through a GEMM over the dequantized weight. Without native kernels
     (CUDA, no compiler) the dequantized weight runs through F.linear: the quantized numbers,
     without the speed.
     """
@@ -91,17 +93,18 @@ class LinearWeights:
         self.dense_above = dense_above
         self._kernels = kernels if quant is not Quantization.NONE else None
         self.dense = weight.to(dtype).contiguous()
+        # Larger batches run the GEMM over the *dequantized* weight, not the original: the layer
+        # is one function whatever the batch size, so a request's greedy output does not depend
+        # on who else is in the step (only the summation order differs between the two kernels).
         if quant is Quantization.INT8:
             q, scale = quantize_int8(weight)
-            if kernels is None:
-                self.dense = dequantize_int8(q, scale).to(dtype)
-            else:
+            self.dense = dequantize_int8(q, scale).to(dtype).contiguous()
+            if kernels is not None:
                 self.q, self.scale = q.contiguous(), scale.float().contiguous()
         elif quant is Quantization.INT4:
             q, scale, lo = quantize_int4(weight)
-            if kernels is None:
-                self.dense = dequantize_int4(q, scale, lo).to(dtype)
-            else:
+            self.dense = dequantize_int4(q, scale, lo).to(dtype).contiguous()
+            if kernels is not None:
                 self.packed = pack_int4(q)
                 self.scale_lo = torch.stack([scale, lo], dim=-1).float().contiguous()
 
