@@ -86,6 +86,7 @@ class BlockPool:
                 self.on_evict(block)
             self._evict_hash(block)
             block.ref_cnt = 1
+            block.reuse_at = None  # a new life: the last one's key would be read by a write-back
             out.append(block)
         return out
 
@@ -152,6 +153,15 @@ class BlockPool:
             self._overdue = [(-k, seq, bid) for k, seq, bid in live]
             heapq.heapify(self._heap)
             heapq.heapify(self._overdue)
+
+    def rekey(self, block: KVBlock, reuse_at: float) -> None:
+        """Give a free keyed block a new eviction key (a copy elsewhere was keyed since)."""
+        if block.block_id not in self._hinted:
+            return
+        self._seq += 1
+        block.reuse_at, block.heap_seq = reuse_at, self._seq
+        heapq.heappush(self._heap, (-reuse_at, self._seq, block.block_id))
+        heapq.heappush(self._overdue, (reuse_at, self._seq, block.block_id))
 
     def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVBlock | None:
         block = self._cached.get(block_hash)

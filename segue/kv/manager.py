@@ -52,6 +52,11 @@ class KVCacheManager(SwapMixin):
         self._write_backs_open = False
         self._back_ups: list[tuple[int, int]] = []
         self._backed_up: list[KVBlock] = []
+        # The device eviction key of each written-back block (None: plain LRU), kept in the host tier.
+        self._backed_up_keys: list[float | None] = []
+        # Set when finished requests' blocks are freed with eviction keys (prefix_eviction="reuse"):
+        # host blocks read back are then keyed too, so that one order covers the whole tier.
+        self.keyed_reloads = False
         if self.host is not None and enable_prefix_caching:
             self.device.on_evict = self._back_up
 
@@ -180,11 +185,16 @@ class KVCacheManager(SwapMixin):
             self.device.register(table[i], *self._block_key(request, i))
         self._num_registered[request.request_id] = n_full
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, reuse_at: list[float] | None = None) -> None:
+        """Drop a request's blocks; the cached ones stay findable until evicted. `reuse_at`: one
+        eviction key per device block, head first (ReuseTracker.finish); without it the device
+        blocks are evicted least recently freed first."""
         rid = request.request_id
         table = self.tables.pop(rid, None)
         if table:
-            self.device.free(list(reversed(table)))
+            if reuse_at is not None and len(reuse_at) != len(table):
+                raise ValueError(f"request {rid}: {len(reuse_at)} eviction keys for {len(table)} blocks")
+            self.device.free(list(reversed(table)), list(reversed(reuse_at)) if reuse_at is not None else None)
         host_table = self.host_tables.pop(rid, None)
         if host_table:
             self._free_host(list(reversed(host_table)))

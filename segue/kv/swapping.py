@@ -17,6 +17,9 @@ class SwapMixin:
     host_tables: dict[str, list[KVBlock]]
     device: BlockPool
     host: BlockPool | None
+    _backed_up: list[KVBlock]
+    _backed_up_keys: list[float | None]
+    keyed_reloads: bool
 
     # ---- swapping ------------------------------------------------------------------------
     # Swap-out moves the private tail of the device part to the front of the host part; swap-in
@@ -88,23 +91,43 @@ class SwapMixin:
                 self.host.register(block, block_hash, token_ids)
         self._host_pending = []
         if self._backed_up:
-            self.host.free(self._backed_up)  # now cached in the host tier, owned by no one
+            # Now cached in the host tier, owned by no one; a block evicted with an expected reuse
+            # keeps it there, so both tiers evict in the same order.
+            plain = [b for b, k in zip(self._backed_up, self._backed_up_keys) if k is None]
+            hinted = [(b, k) for b, k in zip(self._backed_up, self._backed_up_keys) if k is not None]
+            if plain:
+                self.host.free(plain)
+            if hinted:
+                self.host.free([b for b, _ in hinted], [k for _, k in hinted])
             self._backed_up = []
+            self._backed_up_keys = []
         self._host_writing.clear()
         if self._host_deferred:
-            self._free_host(self._host_deferred)
-            self._host_deferred = []
+            deferred, self._host_deferred = self._host_deferred, []
+            if not self.keyed_reloads:
+                self._free_host(deferred)
+                return
+            # Under keyed eviction, a host block just read back (a swap-in) was used now: keyed as
+            # if freed now. Left unkeyed it would be evicted before every keyed block, so the
+            # host tier would drop its hottest blocks first.
+            self._free_host(deferred, [self.host.now] * len(deferred))
 
     def _back_up(self, block: KVBlock) -> None:
         if not self._write_backs_open or self.link_budget <= 0:
             return
-        if self.host.lookup(block.block_hash, block.token_ids) is not None or not self.host.num_free_blocks:
+        copy = self.host.lookup(block.block_hash, block.token_ids)
+        if copy is not None:
+            if self.keyed_reloads and block.reuse_at is not None:
+                self.host.rekey(copy, block.reuse_at)  # the host copy now stands for the block
+            return
+        if not self.host.num_free_blocks:
             return
         hb = self.host.allocate(1)[0]
         self.link_budget -= 1
         self._back_ups.append((block.block_id, hb.block_id))
         self._host_pending.append((hb, block.block_hash, block.token_ids))
         self._backed_up.append(hb)
+        self._backed_up_keys.append(block.reuse_at)
 
     def take_back_ups(self) -> list[tuple[int, int]]:
         """This step's write-back copies (device, host); the link budget ends with the step."""

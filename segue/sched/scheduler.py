@@ -46,7 +46,7 @@ class Scheduler(SchedulerState):
         self.waiting.discard(request)
         self.paused.remove(request)
         request.status = status
-        self.kv.free(request)
+        self.free_finished(request)
         self.policy.on_finished(request, self.now)
 
     def abort_request(self, request_id: str) -> Request | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from segue.config import SchedulerConfig
 from segue.kv.manager import KVCacheManager
+from segue.kv.reuse import ReuseTracker
 from segue.request import Request, RequestStatus
 from segue.sched.cost_model import CostModel
 from segue.sched.interception import InterceptionPolicy, make_interception_policy
@@ -37,6 +38,22 @@ class SchedulerState:
         # Device blocks that this step's swap-outs free for a waiting higher-priority request:
         # the next step's swap-ins must leave them to it.
         self.earmarked_blocks = 0
+        # Expected reuse of finished requests' blocks (prefix_eviction="reuse"); None: plain LRU.
+        self.reuse = ReuseTracker() if config.prefix_eviction == "reuse" else None
+        kv.keyed_reloads = self.reuse is not None
+
+    def free_finished(self, request: Request) -> None:
+        """Free a finished request's KV; under prefix_eviction="reuse" its cached blocks are
+        keyed by their expected reuse (the chain it continued, shared blocks' own history)."""
+        rid = request.request_id
+        n = self.kv.num_device_blocks_of(rid)
+        if self.reuse is None or n == 0 or rid in self.kv.host_tables:
+            self.kv.free(request)
+            return
+        full = request.block_hashes[:min(n, request.num_computed_tokens // self.kv.block_size)]
+        cls = self.reuse.admit(full, self.now)
+        keys = self.reuse.finish(full, n, cls, self.now, self.cost.t_fwd_extra(self.kv.block_size))
+        self.kv.free(request, keys)
 
     def waiting_holders(self) -> list[Request]:
         """The waiting requests that hold device KV, found through the KV tables: the pool bounds

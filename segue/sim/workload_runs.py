@@ -3,7 +3,9 @@ the simulated executor (the same scheduler, KV manager and policies as the real 
 
 - agents (workloads/agents.py): plain clients vs sessions under each --interception-policies;
 - chain, map-reduce (program_sim.py): Parrot's program-aware execution vs the request-centric
-  baseline, for each --program-output-tokens.
+  baseline, for each --program-output-tokens;
+- mooncake (mooncake_run.py): prefix-cache hit rate against capacity, LRU vs Segue's eviction,
+  and latency at the preset.
 """
 from __future__ import annotations
 
@@ -14,15 +16,18 @@ import shlex
 import sys
 from typing import Any
 
-SIM_WORKLOADS = ("infercept", "agents", "chain", "map-reduce")
+SIM_WORKLOADS = ("infercept", "agents", "chain", "map-reduce", "mooncake")
 
 
 def add_sim_workload_args(p: argparse.ArgumentParser) -> None:
+    from segue.sim.mooncake_run import add_mooncake_args
     from segue.sim.workloads.agents import add_agent_args
 
     p.add_argument("--workload", choices=SIM_WORKLOADS, default="infercept",
                    help="infercept (the trace, default), agents (shared system prompt, multi-turn, tools), "
-                        "chain or map-reduce (Parrot's programs vs request-centric clients)")
+                        "chain or map-reduce (Parrot's programs vs request-centric clients), "
+                        "mooncake (prefix-cache hit rate against capacity on the Mooncake traces)")
+    add_mooncake_args(p)
     add_agent_args(p, seed=False)
     p.add_argument("--agent-modes", default="plain,sessions,auto",
                    help="agents: client modes to run (plain once; sessions and auto under each "
@@ -39,7 +44,7 @@ def add_sim_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine(args: argparse.Namespace, interception: str | None = None, prefix_caching: bool = True,
-            latency_capacity: int | None = None) -> Any:
+            latency_capacity: int | None = None, prefix_eviction: str = "lru") -> Any:
     from segue.config import CacheConfig, EngineConfig, SchedulerConfig
     from segue.sim.engine import make_sim_engine
     from segue.sched.cost_model import PRESETS, CostModel
@@ -57,7 +62,8 @@ def _engine(args: argparse.Namespace, interception: str | None = None, prefix_ca
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens or cost.saturation_tokens,
                                   max_num_seqs=args.max_num_seqs, watermark=args.watermark, policy=args.policy,
                                   policy_options=dict(args.policy_option), latency_capacity_tokens=latency_capacity,
-                                  interception_policy=interception or "min-waste"))
+                                  interception_policy=interception or "min-waste",
+                                  prefix_eviction=prefix_eviction))
     return make_sim_engine(cost, kv, config, max_model_len=args.max_model_len)
 
 
@@ -106,7 +112,13 @@ def _programs(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
 
 
 def run_sim_workload(args: argparse.Namespace) -> int:
-    rows, md = _agents(args) if args.workload == "agents" else _programs(args)
+    if args.workload == "mooncake":
+        from segue.sim.mooncake_run import run_mooncake
+
+        result, md = run_mooncake(args, lambda eviction: _engine(args, prefix_eviction=eviction))
+        rows: Any = result
+    else:
+        rows, md = _agents(args) if args.workload == "agents" else _programs(args)
     print(md)
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
