@@ -137,3 +137,37 @@ def test_batch_invariant_plan_runs_the_quantized_kernels_at_every_size(fake_tabl
     with pytest.raises(ConfigError, match="quantization"):
         kernel_plan.plan_kernels(ModelLoadConfig(batch_invariant=True, quantization="none"), TINY,
                                  torch.device("cpu"), object())
+
+
+def q4_weights(n: int, k: int, seed: int) -> torch.Tensor:
+    """A matrix already in Q4_1 groups (what a Q4_1 GGUF file dequantizes to)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    scale, lo = torch.rand(n, k // 32, 1, generator=g) * 0.01, torch.randn(n, k // 32, 1, generator=g) * 0.01
+    return (q.float() * scale + lo).view(n, k)
+
+
+def tiny_weights(layer_weights) -> dict[str, torch.Tensor]:
+    names = {"self_attn.q_proj": (64, 64), "self_attn.o_proj": (64, 64), "mlp.gate_proj": (128, 64),
+             "mlp.down_proj": (64, 128)}
+    out = {f"model.layers.{i}.{n}.weight": layer_weights(*shape, seed=i) for i in range(2) for n, shape in names.items()}
+    out["lm_head.weight"] = torch.randn(256, 64)
+    return out
+
+
+def test_a_format_that_holds_the_checkpoint_exactly_is_used_under_bf16(fake_table):
+    assert kernel_plan.lossless_formats(tiny_weights(q4_weights), TINY) == ({"int4"}, set())
+    random = tiny_weights(lambda n, k, seed: torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
+    assert kernel_plan.lossless_formats(random, TINY) == (set(), set())
+    times = {1: 1.0, 8: 1.5, 16: 4.0, 32: 9.0}
+    fake_table["table"] = kt.KernelTable({"cpu": "test"}, {
+        "layers": {**BF16_CPU.timings_ms["layers"], "int4": times},
+        "lm_head": BF16_CPU.timings_ms["lm_head"]})
+    cpu, kernels = torch.device("cpu"), object()
+    plan = kernel_plan.plan_kernels(ModelLoadConfig(), TINY, cpu, kernels, tiny_weights(q4_weights))
+    # int4 holds these layers exactly: used where it wins; the (full-precision) head is not quantized.
+    assert (plan.dtype, plan.quantization, plan.quantized_rows) == (torch.bfloat16, Quantization.INT4, 8)
+    assert plan.head_quantization is Quantization.NONE and plan.head_quantized_rows == 0
+    plan = kernel_plan.plan_kernels(ModelLoadConfig(), TINY, cpu, kernels, random)
+    assert plan.quantization is Quantization.NONE

@@ -30,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
     if device.type != "cpu":
         raise SystemExit("the kernel table is a CPU's: on CUDA the plan is fixed (bf16, no quantization)")
     kernels = load_cpu_kernels()
-    model = load_checkpoint(config.model.model).config
+    ckpt = load_checkpoint(config.model.model)
+    model = ckpt.config
     if args.remeasure:
         table = kt.measure(model, kernels, kt.table_key(model, kernels))
         # Save it where the engine looks, so the next start uses this measurement.
@@ -39,13 +40,14 @@ def run(args: argparse.Namespace) -> int:
         path.write_text(table.to_json())
     else:
         table = kt.kernel_table(model, kernels)
-    plan = plan_kernels(config.model, model, device, kernels)
+    plan = plan_kernels(config.model, model, device, kernels, ckpt.weights)
     print(f"CPU: {table.key['cpu']} (flags {table.key['flags']}), {table.key['threads']} threads, "
           f"torch {table.key['torch']}, kernels {table.key['kernels']}")
     print(table.format())
     print(f"plan for --dtype {config.model.dtype} --quantization {config.model.quantization}: "
-          f"{str(plan.dtype).removeprefix('torch.')}, {plan.quantization.value} weights up to "
-          f"{plan.quantized_rows} rows (LM head {plan.head_quantized_rows})")
+          f"{str(plan.dtype).removeprefix('torch.')}; {plan.quantization.value} layers up to "
+          f"{plan.quantized_rows} rows, {(plan.head_quantization or plan.quantization).value} LM head up to "
+          f"{plan.head_quantized_rows} rows")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"table": json.loads(table.to_json()),

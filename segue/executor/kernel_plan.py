@@ -3,17 +3,20 @@ configuration and, on CPU, from this machine's measured kernel table (segue/mode
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from segue.config import ConfigError, ModelLoadConfig
 from segue.model.config import ModelConfig
-from segue.model.quant import Quantization
+from segue.model.quant import Quantization, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Larger than any batch: the quantized kernels take every row.
+_EVERY_BATCH = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,7 @@ class KernelPlan:
     # ones through a GEMM over the dequantized weight (0: never quantized); the same for the LM head.
     quantized_rows: int = 0
     head_quantized_rows: int = 0
+    head_quantization: Quantization | None = None  # None: int8 under int4 layers, else the layers'
 
 
 def resolve_device(name: str) -> torch.device:
@@ -32,45 +36,75 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.device,
-                 kernels: object | None) -> KernelPlan:
+def lossless_formats(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> tuple[set[str], set[str]]:
+    """The quantized formats that hold the checkpoint's matrices exactly (a GGUF Q4_1 or Q8_0
+    file's, dequantized), for the layers and for the LM head. Checked on the first and last
+    layer's projections: GGUF files quantize a tensor kind alike across layers."""
+    def exact(w: torch.Tensor) -> set[str]:
+        w = w.float()
+        tol = 1e-5 * float(w.abs().max()) + 1e-12
+        found = set()
+        if w.shape[1] % 32 == 0:
+            if float((dequantize_int8(*quantize_int8(w)) - w).abs().max()) <= tol:
+                found.add("int8")
+            if float((dequantize_int4(*quantize_int4(w)) - w).abs().max()) <= tol:
+                found.add("int4")
+        return found
+
+    layers: set[str] | None = None
+    for i in {0, config.num_layers - 1}:
+        for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
+            w = weights.get(f"model.layers.{i}.{name}.weight")
+            found = exact(w) if w is not None else set()
+            layers = found if layers is None else layers & found
+    head = weights.get("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
+    return layers or set(), exact(head) if head is not None else set()
+
+
+def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.device, kernels: object | None,
+                 weights: Mapping[str, torch.Tensor] | None = None) -> KernelPlan:
     """CUDA: bf16 for "auto", no quantization (no fast kernel wired there). CPU: "auto" follows
-    the kernel table (the dtype first, then int8 where it beats that dtype's GEMM), and so do the
-    row ranges of an explicit quantization. Without native kernels a quantization would only
-    dequantize (worse numbers, no speed), so "auto" is none."""
-    if device.type != "cpu" and not load.batch_invariant:
+    the kernel table: the dtype first, then a quantized kernel for the batch sizes where it beats
+    that dtype's GEMM, if it loses nothing that the quality bar catches: a format that holds the
+    checkpoint exactly (`weights`: a GGUF Q4_1 / Q8_0 file's), or int8 under float32 (measured
+    >= 97% greedy agreement; under bf16 activations it was 96.2%, tests/test_quantization.py).
+    An explicit quantization runs where the table says it wins. Without native kernels a
+    quantization would only dequantize (worse numbers, no speed), so "auto" is none."""
+    if load.batch_invariant:
+        return _batch_invariant_plan(load, device, kernels)
+    if device.type != "cpu":
         dtype = torch.bfloat16 if load.dtype == "auto" else _DTYPES[load.dtype]
         quant = Quantization.NONE if load.quantization == "auto" else Quantization(load.quantization)
         return KernelPlan(dtype, quant)
-    if load.batch_invariant:
-        return _batch_invariant_plan(load, device, kernels)
     from segue.model.kernel_table import kernel_table
 
     table = kernel_table(config, kernels)
     dtype_name = table.dense_dtype() if load.dtype == "auto" else load.dtype
     # float16 has no measured row: its GEMMs compare like bfloat16's on every CPU torch supports.
     dense = dtype_name if dtype_name in ("float32", "bfloat16") else "bfloat16"
+    if kernels is None:
+        quant = Quantization.NONE if load.quantization == "auto" else Quantization(load.quantization)
+        return KernelPlan(_DTYPES[dtype_name], quant)
     if load.quantization == "auto":
-        # Only under float32: bf16 activations over int8 weights fell below the quality bar on
-        # the default model (96.2% greedy agreement, tests/test_quantization.py).
-        wins = kernels is not None and dense == "float32" and (
-            table.quantized_up_to("layers", "int8", dense) > 0 or table.quantized_up_to("lm_head", "int8", dense) > 0)
-        quant = Quantization.INT8 if wins else Quantization.NONE
+        exact_layers, exact_head = lossless_formats(weights, config) if weights is not None else (set(), set())
+        allowed = exact_layers | ({"int8"} if dense == "float32" else set())
+        # The format with the widest winning row range; exact ones first on a tie.
+        ranked = sorted(allowed, key=lambda f: (table.quantized_up_to("layers", f, dense), f in exact_layers))
+        quant = Quantization(ranked[-1]) if ranked and table.quantized_up_to("layers", ranked[-1], dense) else \
+            Quantization.NONE
+        head_ok = dense == "float32" or "int8" in exact_head
+        head_quant = Quantization.INT8 if head_ok else Quantization.NONE
     else:
         quant = Quantization(load.quantization)
-    rows = head_rows = 0
-    if quant is not Quantization.NONE and kernels is not None:
-        rows = table.quantized_up_to("layers", quant.value, dense)
-        # int4 keeps the LM head in int8 (segue/model/llama.py).
-        head_rows = table.quantized_up_to("lm_head", "int8", dense)
-    plan = KernelPlan(_DTYPES[dtype_name], quant, rows, head_rows)
-    logger.info("kernels: %s, %s weights up to %d rows (LM head %d), from the kernel table of %s",
-                dtype_name, quant.value, rows, head_rows, table.key.get("cpu"))
+        head_quant = Quantization.NONE if quant is Quantization.NONE else Quantization.INT8
+    rows = table.quantized_up_to("layers", quant.value, dense) if quant is not Quantization.NONE else 0
+    head_rows = table.quantized_up_to("lm_head", "int8", dense) if head_quant is not Quantization.NONE else 0
+    if not head_rows:
+        head_quant = Quantization.NONE
+    plan = KernelPlan(_DTYPES[dtype_name], quant, rows, head_rows, head_quant)
+    logger.info("kernels: %s; %s layers up to %d rows, %s LM head up to %d rows (the kernel table of %s)",
+                dtype_name, quant.value, rows, head_quant.value, head_rows, table.key.get("cpu"))
     return plan
-
-
-# Larger than any batch: the quantized kernels take every row.
-_EVERY_BATCH = 1 << 30
 
 
 def _batch_invariant_plan(load: ModelLoadConfig, device: torch.device, kernels: object | None) -> KernelPlan:
@@ -85,4 +119,4 @@ def _batch_invariant_plan(load: ModelLoadConfig, device: torch.device, kernels: 
     quant = Quantization.INT4 if load.quantization == "int4" else Quantization.INT8
     # The kernels accumulate in fp32; bf16 activations would only add a rounding per layer.
     dtype = torch.float32 if load.dtype == "auto" else _DTYPES[load.dtype]
-    return KernelPlan(dtype, quant, _EVERY_BATCH, _EVERY_BATCH)
+    return KernelPlan(dtype, quant, _EVERY_BATCH, _EVERY_BATCH, Quantization.INT8)

@@ -37,7 +37,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     # full-precision ones, not from a bf16-rounded copy, and "auto" is decided after loading.
     fixed = config.model.dtype != "auto" and config.model.quantization == "none"
     ckpt = load_checkpoint(config.model.model, dtype=getattr(torch, config.model.dtype) if fixed else torch.float32)
-    plan = plan_kernels(config.model, ckpt.config, device, kernels)
+    plan = plan_kernels(config.model, ckpt.config, device, kernels, ckpt.weights)
     executor = ModelExecutor(ckpt, config.cache, device, plan, kernels)
     return LoadedModel(executor, ckpt.tokenizer, ckpt.config, ckpt.name, ckpt.chat_template)
 

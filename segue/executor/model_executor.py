@@ -35,7 +35,8 @@ class ModelExecutor(Executor):
         self.quantization = plan.quantization
         self.plan = plan
         self.model = LlamaModel(ckpt.config, ckpt.weights, device, dtype, plan.quantization, kernels,
-                                dense_above=plan.quantized_rows, head_dense_above=plan.head_quantized_rows)
+                                dense_above=plan.quantized_rows, head_dense_above=plan.head_quantized_rows,
+                                head_quantization=plan.head_quantization)
         cfg = ckpt.config
         self.block_size = cache.block_size
         self.kv_dtype = dtype if cache.kv_cache_dtype == "auto" else _DTYPES[cache.kv_cache_dtype]

@@ -35,6 +35,10 @@ HEAD_ROWS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)
 # so timing them at 2048 rows would only cost start-up time.
 QUANT_MAX_ROWS = 512
 DTYPES = ("float32", "bfloat16")
+# Batches up to this many rows are timed over weight sets totalling at least STREAMED_BYTES (in
+# fp32), more than any CPU's last-level cache, as the model's layers are.
+STREAMED_MAX_ROWS = 128
+STREAMED_BYTES = 512 << 20
 
 
 def cpu_identity() -> dict[str, str]:
@@ -109,14 +113,21 @@ class KernelTable:
         return "\n".join(lines)
 
 
-def _time_ms(fn: Callable[[], object], reps: int = 3) -> float:
-    fn()  # warm-up: first-touch of buffers, oneDNN's kernel selection
-    best = float("inf")
+def _time_ms(calls: list[Callable[[], object]], reps: int = 3) -> float:
+    """Median ms of one call over `reps` passes through `calls`. The median, not the mean or the
+    minimum: on a small machine another process's time slice stalls an OpenMP region now and
+    then (seen: 8 ms on a 0.2 ms call), and the minimum of a cycle through cached weights is too
+    kind."""
+    for call in calls:
+        call()  # warm-up: first-touch of buffers, oneDNN's kernel selection
+    times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1000
+        for call in calls:
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2] * 1000
 
 
 def measure(config: ModelConfig, kernels: object | None, key: dict[str, str]) -> KernelTable:
@@ -134,27 +145,40 @@ def measure(config: ModelConfig, kernels: object | None, key: dict[str, str]) ->
     quants = [q for q in (Quantization.INT8, Quantization.INT4)
               if kernels is not None and all(group_supported(k) for _, k in shapes)]
 
-    def layer_candidates(op_shapes: list[tuple[int, int]], ladder: tuple[int, ...]) -> dict[str, dict[int, float]]:
-        weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in op_shapes]
+    def layer_candidates(op_shapes: list[tuple[int, int]], ladder: tuple[int, ...],
+                         copies: int) -> dict[str, dict[int, float]]:
+        """ms per call of the ops in `op_shapes` at each row count. Small batches stream their
+        weights from memory in the real model (every layer's are different), so they cycle
+        through `copies` weight sets, as many as it takes to outgrow the CPU's caches: timing one
+        cached set made the kernels that read more bytes look as fast as those that read fewer."""
+        sets = [[torch.randn(n, k, generator=gen) * 0.02 for n, k in op_shapes] for _ in range(copies)]
         out: dict[str, dict[int, float]] = {}
+
+        def timed(make_layers: Callable[[list[torch.Tensor]], list], dtype: torch.dtype, rows: int) -> float:
+            n = copies if rows <= STREAMED_MAX_ROWS else 1  # large batches are compute-bound
+            layers = [make_layers(ws) for ws in sets[:n]]
+            xs = [torch.randn(rows, k, generator=gen).to(dtype) for _, k in op_shapes]
+            # One call: a whole layer's projections (or the LM head), as the forward runs them.
+            return _time_ms([lambda fs=fs: [f(x) for f, x in zip(fs, xs)] for fs in layers],
+                            reps=3 if n > 1 else 5)
+
         for dtype in DTYPES:
-            ws = [w.to(getattr(torch, dtype)) for w in weights]
-            out[dtype] = {}
-            for rows in ladder:
-                x = torch.randn(rows, op_shapes[0][1], generator=gen).to(getattr(torch, dtype))
-                xs = [x if k == x.shape[1] else torch.randn(rows, k).to(x.dtype) for _, k in op_shapes]
-                out[dtype][rows] = _time_ms(lambda: [F.linear(a, w) for a, w in zip(xs, ws)])
+            dt = getattr(torch, dtype)
+            out[dtype] = {rows: timed(lambda ws: [(lambda x, w=w.to(dt): F.linear(x, w)) for w in ws], dt, rows)
+                          for rows in ladder}
         for quant in quants:
-            layers = [LinearWeights(w, None, quant, torch.float32, kernels, dense_above=1 << 30) for w in weights]
-            out[quant.value] = {}
-            for rows in (r for r in ladder if r <= QUANT_MAX_ROWS):
-                xs = [torch.randn(rows, k, generator=gen) for _, k in op_shapes]
-                out[quant.value][rows] = _time_ms(lambda: [lw(a) for lw, a in zip(layers, xs)])
+            out[quant.value] = {
+                rows: timed(lambda ws: [LinearWeights(w, None, quant, torch.float32, kernels, dense_above=1 << 30)
+                                        for w in ws], torch.float32, rows)
+                for rows in ladder if rows <= QUANT_MAX_ROWS}
         return out
 
+    layer_bytes = 4 * sum(n * k for n, k in shapes)
+    copies = max(1, min(config.num_layers, -(-STREAMED_BYTES // layer_bytes)))
+    head_copies = max(1, min(4, -(-STREAMED_BYTES // (4 * config.vocab_size * h))))
     t0 = time.perf_counter()
-    timings = {"layers": layer_candidates(shapes, ROWS),
-               "lm_head": layer_candidates([(config.vocab_size, h)], HEAD_ROWS)}
+    timings = {"layers": layer_candidates(shapes, ROWS, copies),
+               "lm_head": layer_candidates([(config.vocab_size, h)], HEAD_ROWS, head_copies)}
     logger.info("kernel table measured in %.1f s", time.perf_counter() - t0)
     return KernelTable(key, timings)
 

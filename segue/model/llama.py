@@ -50,12 +50,14 @@ class LlamaModel:
     """`kernels`: the native CPU module (segue.model.cpu_kernels) for the fused elementwise ops and
     quantized matmuls, or None for the torch forms (CUDA, or no compiler). `dense_above`: with a
     quantization, batches of more rows than this run a GEMM over the dequantized weights;
-    `head_dense_above` is the same for the LM head."""
+    `head_dense_above` is the same for the LM head, quantized as `head_quantization` (default:
+    int8 for int4 layers, else the layers' quantization)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype,
                  quantization: Quantization = Quantization.NONE, kernels: object | None = None,
-                 dense_above: int = 16, head_dense_above: int = 16) -> None:
+                 dense_above: int = 16, head_dense_above: int = 16,
+                 head_quantization: Quantization | None = None) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -78,6 +80,8 @@ class LlamaModel:
         # there cost the default model ~19% of its greedy agreement with fp32 (measured), for a
         # sixth fewer weight bytes per step.
         head_quant = Quantization.INT8 if quantization is Quantization.INT4 else quantization
+        if head_quantization is not None:
+            head_quant = head_quantization
         self.lm_head = LinearWeights(head.to(device), None, head_quant, dtype, kernels, head_dense_above)
         self.norm = w("model.norm.weight")
         self.layers: list[_Layer] = []
