@@ -1,0 +1,99 @@
+"""Freeing device memory for admission (sched/admission.py): a holder behind a blocked head takes
+blocks from holders below it, a head that nothing else will ever make room for takes them from
+waiting holders, and a request whose prefix continues in the host tier loads it instead of
+recomputing it. Pure Python."""
+from __future__ import annotations
+
+from segue.kv.block_pool import KVBlock
+from segue.request import Request, RequestStatus
+from segue.sched.output import SchedulerOutput
+from segue.sched.preemption import Room, holders_below, make_room, swap_budget_blocks
+from segue.sched.state import SchedulerState
+
+
+def room_for_holder(sched: SchedulerState, holder: Request, num_new: int, out: SchedulerOutput) -> bool:
+    """Preemptive policies, behind a blocked head: free the blocks a request that holds KV needs for
+    its next tokens. Preserved paused contexts go first (InferCept's rule), then waiting holders
+    that rank below it: swapped out when the host has room (the memory comes next step), else
+    discarded (they recompute later). Without this, once the host is full a pool of waiting
+    holders that each need one more block runs nothing but the few with room in their last block
+    (simulator, MLFQ at 5 req/s on the InferCept trace: 1-2 running requests, 20 tokens a step,
+    0.3 requests finished per second). True when the blocks are free now."""
+    need = sched.kv.num_blocks_needed(holder, num_new)
+    sched.paused.release_for_memory(need, sched.now)
+    if sched.kv.num_free_blocks >= need:
+        return True
+    if make_room(sched, holder, need, out) is Room.IN_FLIGHT:
+        return False
+    if sched.kv.host is not None and sched.kv.host.num_free_blocks >= need - sched.kv.num_free_blocks:
+        return False  # the host can take them, within a later step's swap budget
+    below = holders_below(sched, holder, partly_swapped_in=False)
+    for victim in sched.policy.preemption_order(below, sched.now):
+        if sched.kv.num_free_blocks >= need:
+            break
+        discard(sched, victim)
+    return sched.kv.num_free_blocks >= need
+
+
+def discard(sched: SchedulerState, req: Request) -> None:
+    """Drop a waiting request's device KV; it recomputes when it runs again."""
+    sched.kv.free(req)
+    req.num_computed_tokens = 0
+    req.num_preemptions += 1
+    sched.num_preemptions_total += 1
+
+
+def release_waiting_kv(sched: SchedulerState, head: Request, need_blocks: int) -> bool:
+    """When nothing runs, nothing will ever free memory: requests that wait while holding KV
+    (resumed preserved or swapped-in contexts) could block the head of the queue forever.
+    Drop the KV of the lowest-priority holders (they recompute later). True if any freed."""
+    if sched.running:
+        return False
+    freed = False
+    # Partly swapped-in requests first (their host prefix is kept; the device part will be
+    # recomputed after it), the policy's first victim first, then waiting holders from the back
+    # of the queue.
+    partly_in = [r for r in sched.paused.swapped if sched.kv.num_device_blocks_of(r.request_id)]
+    holders = (sched.policy.preemption_order(partly_in, sched.now)
+               + list(reversed(list(sched.policy.order(sched.waiting_holders(), sched.now)))))
+    for req in holders:
+        if req is head or not sched.kv.num_device_blocks_of(req.request_id):
+            continue
+        if req.status == RequestStatus.SWAPPED:
+            # Its host part continues its device part, so both go (into the caches, where its
+            # next admission finds what is still there) and it queues again from the start.
+            sched.kv.release(req)
+            sched.paused.swapped.remove(req)
+            req.status = RequestStatus.WAITING
+            sched.waiting.append(req)
+            req.num_preemptions += 1
+            sched.num_preemptions_total += 1
+        else:
+            discard(sched, req)
+        freed = True
+        if sched.kv.num_free_blocks >= need_blocks:
+            break
+    return freed
+
+
+def load_host_hits(sched: SchedulerState, req: Request, device_hits: list[KVBlock], out: SchedulerOutput) -> bool:
+    """A request whose prefix goes on past its device hits into the host tier takes those
+    host blocks and swaps them in like a resumed swapped-out request (the first chunk now,
+    the rest within later steps' swap limits, before it runs) instead of recomputing them.
+    Only when this step can start the copy: a step that only queued it would look idle.
+    True if it did."""
+    host_hits = sched.kv.get_host_hits(req, len(device_hits))
+    if not host_hits:
+        return False
+    budget = swap_budget_blocks(sched)
+    free = sched.kv.num_free_blocks - sum(1 for b in device_hits if b.ref_cnt == 0)
+    if budget <= 0 or free <= 0:
+        return False
+    sched.kv.attach_host_hits(req, device_hits, host_hits)
+    if req.num_cached_tokens < 0:
+        req.num_cached_tokens = req.num_computed_tokens
+        sched.prefix_hit_tokens += req.num_computed_tokens
+        sched.prefix_query_tokens += req.num_prompt_tokens
+    sched.waiting.remove(req)
+    out.blocks_to_swap_in += sched.paused.begin_swap_in(req, budget)
+    return True
