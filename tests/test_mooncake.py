@@ -91,8 +91,11 @@ def test_reuse_tracker_learns_returning_chains_and_shared_blocks():
     assert t.admit([1, 2, 3], 5.0) == CONTINUED  # extends the finished chain ending in block 2
     assert t.reuse_distance(NEW) < 10.0 / 0.5  # one of one new chains came back after 5 s
     keys = t.finish([1, 2, 3], 3, CONTINUED, 5.0)
-    # Blocks 1 and 2 were used twice 5 s apart: kept as if freed 5 s ago; block 3 by its class.
-    assert keys[0] == keys[1] == 0.0 and keys[2] <= 0.0
+    # Blocks 1 and 2 were used twice 5 s apart: their own interval (shrunk toward the class's
+    # distance) keeps them longer than block 3, which only its class speaks for.
+    d = t.reuse_distance(CONTINUED)
+    assert keys[0] == keys[1] == pytest.approx(5.0 - (5.0 + d) / 2) and keys[2] == pytest.approx(5.0 - d)
+    assert keys[2] < keys[1]
 
 
 def test_keyed_free_evicts_by_key_and_lru_free_by_age():

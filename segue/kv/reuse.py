@@ -8,8 +8,10 @@ milliseconds. The tracker learns both online and gives each block an expected re
 
 - per chain class (a new chain, or one that continues a finished request's prompt chain: the
   agent identity of a plain client): D = mean return gap / sqrt(P(return)), Laplace-smoothed;
-- per block used by several requests: at most its own mean interval between uses (a shared
-  prefix block is counted once, by its own history, whichever chain frees it last).
+- per block used by several requests: at most its own mean interval between uses, shrunk
+  toward the class's D (a shared prefix block is counted once, by its own history, whichever
+  chain frees it last; without the shrinkage, blocks reused within one burst, interval 0,
+  were protected for ever and cost LRU up to 1.4 points on the synthetic trace).
 
 The eviction key is then "LRU shifted by D": a block freed at t is kept as if freed at t - D
 (among equal D this is exactly LRU). The pool evicts the most overdue key first (BlockPool's
@@ -41,8 +43,7 @@ class _ClassStats:
     def reuse_distance(self, prior_gap_s: float) -> float:
         # Laplace smoothing: before any evidence P = 1/2 and the gap is the prior. The square
         # root tempers 1/P: with the full factor a large cache (LRU's horizon already past most
-        # gaps) lost up to 0.3 points to LRU on Mooncake's conversation trace; tempered it keeps
-        # most of the gain at small capacities and ties LRU at large ones (BENCHMARKS.md).
+        # gaps) lost up to 0.3 points to LRU on Mooncake's conversation trace (BENCHMARKS.md).
         p = (self.returned + 1) / (self.finished + 2)
         gap = (self.gap_sum_s + prior_gap_s) / (self.returned + 1)
         return gap / math.sqrt(p)
@@ -107,7 +108,9 @@ class ReuseTracker:
             d = base
             use = self._blocks.get(block_hashes[i]) if i < len(block_hashes) else None
             if use is not None and use.uses > 1:
-                d = min(d, (use.last - use.first) / (use.uses - 1))
+                # Its own mean interval, with the class's distance as one more observation: a
+                # block used twice in one burst is not hot for ever after.
+                d = min(d, (use.last - use.first + base) / use.uses)
             # The recompute a loss costs (this block and all after it) breaks ties head-first;
             # the running minimum keeps keys non-increasing along the chain.
             key = min(key, now - d + (n - i) * block_recompute_s)

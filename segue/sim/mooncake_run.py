@@ -31,10 +31,10 @@ def add_mooncake_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("mooncake (prefix cache at GPU scale; --trace: conversation, synthetic or a path)")
     g.add_argument("--capacities", default=DEFAULT_CAPACITIES,
                    help=f"cache capacities in tokens, k/M suffixes (default: {DEFAULT_CAPACITIES})")
-    g.add_argument("--latency-requests", type=int, default=300,
-                   help="mooncake: requests of the latency run at the preset (default: 300; 0: skip)")
-    g.add_argument("--time-scale", type=float, default=4.0,
-                   help="mooncake: stretch the trace's arrival times by this factor in the latency run (default: 4)")
+    g.add_argument("--latency-requests", type=int, default=200,
+                   help="mooncake: requests of the latency run at the preset (default: 200; 0: skip)")
+    g.add_argument("--time-scale", type=float, default=8.0,
+                   help="mooncake: stretch the trace's arrival times by this factor in the latency run (default: 8)")
 
 
 def _pct(x: float) -> str:
@@ -107,6 +107,32 @@ def render(args: argparse.Namespace, name: str, n: int, kv_tokens: int, best: fl
     return "\n".join(lines)
 
 
+def plot_hit_rates(result: dict[str, Any], path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for tier, style in (("device", "-"), ("device + host", "--")):
+        rows = [r for r in result["hit_rates"] if r["tier"] == tier]
+        xs = [r["capacity_tokens"] / (1 << 20) for r in rows]
+        for ev, label in (("lru", "LRU"), ("segue", "Segue")):
+            ax.plot(xs, [100 * r[ev]["hit_rate"] for r in rows], style, marker="o", ms=3, label=f"{label}, {tier}")
+    ax.axhline(100 * result["max_hit_rate"], color="grey", lw=0.8, label="infinite cache")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("cache capacity (M tokens; device + host: the preset's device pool + host)")
+    ax.set_ylabel("prompt tokens from cache (%)")
+    ax.set_title(f"Mooncake {result['trace']} trace: prefix-cache hit rate")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run_mooncake(args: argparse.Namespace, make_engine: Callable[[str], Any]) -> tuple[dict[str, Any], str]:
     from segue.sched.cost_model import PRESETS, CostModel
     from segue.sim.engine import default_kv_cache_tokens
@@ -124,4 +150,6 @@ def run_mooncake(args: argparse.Namespace, make_engine: Callable[[str], Any]) ->
     lat = latency_rows(args, trace[:args.latency_requests], make_engine) if args.latency_requests > 0 else []
     result = {"trace": name, "num_requests": len(trace), "kv_cache_tokens": kv_tokens, "max_hit_rate": best,
               "hit_rates": rows, "latency": lat}
+    if args.plot:
+        plot_hit_rates(result, args.plot)
     return result, render(args, name, len(trace), kv_tokens, best, rows, lat)
