@@ -1,5 +1,15 @@
 """Segue: an LLM serving engine for agentic and tool-using workloads."""
-from segue.sampling_params import SamplingParams
+import os
+
+# Before torch loads libgomp (it reads its environment once): OpenMP workers spin ~10k pauses
+# (tens to hundreds of microseconds) between parallel regions instead of libgomp's default 300k.
+# That still covers the gaps between a forward's back-to-back regions, but a served decode step
+# also needs the event loop and the client to run on the same cores, and long spinning starved
+# them: single-stream serving fell to 6 tok/s with the default, 90 with this (BENCHMARKS.md,
+# AVX512-BF16 EPYC, 2 cores). An operator's own setting wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+from segue.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 
