@@ -156,6 +156,7 @@ def run_config(args: argparse.Namespace, cfg: AgentRunConfig, runner: Any) -> di
                        k.startswith("waste_") for k in srv) else None,
                    prefix_hit=hit / query if hit is not None and query else None,
                    cached_share=sum(t.cached_tokens for t in turns) / max(1, sum(t.prompt_tokens for t in turns)),
+                   computed_prompt_tokens=sum(t.prompt_tokens - t.cached_tokens for t in turns),
                    turn_ttft_mean=_mean([t.first_token - t.start for t in turns if t.first_token is not None]),
                    turn_latency_mean=_mean([t.end - t.start for t in turns]),
                    turns=[[r.index, t.start - r.arrival, (t.first_token or t.end) - t.start, t.end - t.start,
@@ -181,6 +182,7 @@ def run_config(args: argparse.Namespace, cfg: AgentRunConfig, runner: Any) -> di
     busy = row["busy_s"]
     row["mean_busy_s"] = sum(busy) / len(busy) if busy else None
     row["num_agents"] = len(agents)
+    row["min_prompt_tokens"] = spec.min_prompt_tokens(agents)
     return row
 
 

@@ -150,6 +150,7 @@ class Scheduler(SchedulerState):
             budget = admit_waiting(self, out, budget, scheduled)
 
         self.last_batch_tokens = sum(n for _, n in scheduled)
+        self.num_batched_tokens_total += self.last_batch_tokens
         for req, num_new in scheduled:
             start = req.num_computed_tokens
             out.seqs.append(ScheduledSeq(

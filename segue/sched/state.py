@@ -25,6 +25,8 @@ class SchedulerState:
         self.cost = cost or CostModel()
         self.paused = PausedRequests(kv, interception or make_interception_policy("preserve"), self.cost)
         self.last_batch_tokens = 0
+        # Every token any step ran (prefill, decode, recompute): what the model computed in all.
+        self.num_batched_tokens_total = 0
         # Tokens computed a second time (after a discard or a preemption), for waste accounting.
         self.last_step_recompute_tokens = 0
         self.requests: dict[str, Request] = {}

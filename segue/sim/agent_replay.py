@@ -55,12 +55,16 @@ class EngineAgentResult:
     waste: dict[str, float]
     steps: int
     stalled: bool = False
+    # Prompt-side tokens the engine computed: every batched token but the decode feeds (each
+    # turn's generated tokens but its last, which the next turn's prompt or append carries).
+    computed_prompt_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"busy_s": self.busy_s, "num_agents": self.num_agents, "num_finished": len(self.busy_s),
                 "duration_s": self.duration_s, "wall_s": self.wall_s, "preemptions": self.preemptions,
                 "prefix_hit_tokens": self.prefix_hit_tokens, "prefix_query_tokens": self.prefix_query_tokens,
-                "waste_gbs": self.waste, "steps": self.steps, "stalled": self.stalled}
+                "waste_gbs": self.waste, "steps": self.steps, "stalled": self.stalled,
+                "computed_prompt_tokens": self.computed_prompt_tokens}
 
 
 def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clock_wait: Callable[[float], None],
@@ -76,6 +80,7 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
     start = engine.clock()
     hit0, query0 = engine.scheduler.prefix_hit_tokens, engine.scheduler.prefix_query_tokens
     pre0, steps0 = engine.scheduler.num_preemptions_total, engine.num_steps
+    batched0 = engine.scheduler.num_batched_tokens_total
     waste0 = engine.waste.totals.as_dict()
     states = {a.index: _AgentState(a, start + a.arrival_s, system + task_ids(spec, a, vocab)) for a in agents}
     # (time, seq, agent index, action): an agent's next turn is due (its arrival, or its tool's
@@ -161,8 +166,10 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
         clock_wait(min(events))
     busy = [st.end - st.arrival - st.agent.total_tool_s for st in states.values() if st.end is not None]
     waste1 = engine.waste.totals.as_dict()
+    turns_done = sum(st.agent.num_turns if st.end is not None else st.turn for st in states.values())
     return EngineAgentResult(
         busy, len(agents), last - start, time.perf_counter() - wall0,
         engine.scheduler.num_preemptions_total - pre0, engine.scheduler.prefix_hit_tokens - hit0,
         engine.scheduler.prefix_query_tokens - query0, {k: waste1[k] - waste0.get(k, 0.0) for k in waste1},
-        engine.num_steps - steps0, stalled)
+        engine.num_steps - steps0, stalled,
+        engine.scheduler.num_batched_tokens_total - batched0 - turns_done * (spec.output_tokens - 1))

@@ -14,13 +14,19 @@ def _f(v: Any, fmt: str) -> str:
 
 def render(rows: list[dict[str, Any]], title: str) -> str:
     lines = [f"### {title}", "", "| config | target | mode | interception | done | agent time − tool time (s) | "
-             "preemptions | recompute waste (GB·s) | total waste (GB·s) | prefix hits |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "preemptions | recompute waste (GB·s) | total waste (GB·s) | prefix hits | computed prompt tokens "
+             "(× minimum) |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        computed, least = r.get("computed_prompt_tokens"), r.get("min_prompt_tokens")
+        ratio = f" ({computed / least:.2f}×)" if computed is not None and least else ""
         lines.append(f"| {r['config']} | {r['target']} | {r['mode']} | {r['interception'] or 'server default'} | "
                      f"{r['num_finished']}/{r['num_agents']} | {_f(r['mean_busy_s'], '{:.2f}')} | "
                      f"{_f(r['preemptions'], '{:.0f}')} | {_f(r['recompute_gbs'], '{:.2f}')} | "
-                     f"{_f(r['waste_total_gbs'], '{:.2f}')} | {_f(r['prefix_hit'], '{:.0%}')} |")
+                     f"{_f(r['waste_total_gbs'], '{:.2f}')} | {_f(r['prefix_hit'], '{:.0%}')} | "
+                     f"{_f(computed, '{:,}')}{ratio} |")
+    least = next((r["min_prompt_tokens"] for r in rows if r.get("min_prompt_tokens")), None)
+    if least:
+        lines += ["", f"Minimum computed prompt tokens (every token no earlier step computed, once): {least:,}."]
     base = rows[0].get("mean_busy_s") if rows else None
     if base:
         lines += ["", "Ratios to the first configuration (agent time − tool time; > 1 is slower): " + ", ".join(

@@ -86,7 +86,8 @@ def _agents(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
                      "mode": mode, "interception": policy, "num_agents": len(agents),
                      "mean_busy_s": sum(busy) / len(busy) if busy else None,
                      "recompute_gbs": res["waste_gbs"]["recompute_gbs"], "waste_total_gbs": res["waste_gbs"]["total_gbs"],
-                     "prefix_hit": res["prefix_hit_tokens"] / max(1, res["prefix_query_tokens"])})
+                     "prefix_hit": res["prefix_hit_tokens"] / max(1, res["prefix_query_tokens"]),
+                     "min_prompt_tokens": spec.min_prompt_tokens(agents)})
     return rows, render(rows, f"segue sim --workload agents — {args.preset}: {spec.describe()}")
 
 

@@ -13,7 +13,7 @@ and text (HTTP servers; filler words of about one token each, see filler.py).
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -36,10 +36,18 @@ class AgentSpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "AgentSpec":
-        return cls(num_agents=args.agents, arrival_window_s=args.arrival_window_s, turns_min=args.turns_min,
-                   turns_max=args.turns_max, output_tokens=args.output_tokens, tool_median_s=args.tool_median_s,
-                   tool_sigma=args.tool_sigma, tool_cap_s=args.tool_cap_s, system_tokens=args.system_tokens,
-                   task_tokens=args.task_tokens, tool_result_tokens=args.tool_result_tokens, seed=args.seed)
+        """The --agent-preset's spec with every flag given on the command line over it."""
+        base = AGENT_PRESETS[getattr(args, "agent_preset", None) or "light"]
+        given = {field: getattr(args, flag) for field, flag in _FLAGS.items() if getattr(args, flag, None) is not None}
+        return replace(base, **given)
+
+    def min_prompt_tokens(self, agents: list["Agent"]) -> int:
+        """The fewest prompt tokens any server must compute for these agents: every token that no
+        earlier step computed, once — the shared system prompt, each task, each tool result, and
+        each turn's last output token (sampled, never fed back); everything else of a history was
+        computed before, as a prompt or as a decode, and could be served from cache."""
+        per_turn = self.tool_result_tokens + 1
+        return self.system_tokens + sum(self.task_tokens + (a.num_turns - 1) * per_turn for a in agents)
 
     def describe(self) -> str:
         return (f"{self.num_agents} agents over {self.arrival_window_s:g} s, {self.turns_min}-{self.turns_max} turns "
@@ -100,20 +108,43 @@ def tool_result_ids(spec: AgentSpec, agent: Agent, turn: int, vocab: tuple[int, 
     return _ids(np.random.default_rng([spec.seed, 150, agent.content_seed, turn]), spec.tool_result_tokens, vocab)
 
 
+# Named workloads; flags given beside --agent-preset override its fields.
+AGENT_PRESETS: dict[str, AgentSpec] = {
+    # The light agent loop (the defaults): histories fit the pool, no pressure.
+    "light": AgentSpec(),
+    # Issue 25's pressure regime: 32 agents arriving about one a second, 3-6 turns, 300 tokens of
+    # tool output appended a turn, tools of seconds. Final histories average ~2k tokens, so the
+    # live histories of the agents in flight add up to several times an 8,192-token pool (run it
+    # with --kv-cache-tokens 8192, or sweep the pool and --agents from no pressure to overload).
+    "pressure": AgentSpec(num_agents=32, arrival_window_s=32.0, turns_min=3, turns_max=6,
+                          tool_result_tokens=300),
+}
+# AgentSpec field -> argparse dest of its flag.
+_FLAGS = {"num_agents": "agents", "arrival_window_s": "arrival_window_s", "turns_min": "turns_min",
+          "turns_max": "turns_max", "output_tokens": "output_tokens", "tool_median_s": "tool_median_s",
+          "tool_sigma": "tool_sigma", "tool_cap_s": "tool_cap_s", "system_tokens": "system_tokens",
+          "task_tokens": "task_tokens", "tool_result_tokens": "tool_result_tokens", "seed": "seed"}
+
+
 def add_agent_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
+    """Workload flags. Their defaults are None so that a flag given overrides --agent-preset and
+    one not given takes the preset's value (the help shows the light preset's)."""
     d = AgentSpec()
     g = p.add_argument_group("agent workload")
-    g.add_argument("--agents", type=int, default=d.num_agents, help=f"number of agents (default: {d.num_agents})")
-    g.add_argument("--arrival-window-s", type=float, default=d.arrival_window_s,
+    g.add_argument("--agent-preset", choices=sorted(AGENT_PRESETS), default="light",
+                   help="light (default: histories fit the pool) or pressure (issue 25: 32 agents, 3-6 turns, "
+                        "300-token tool results; run with --kv-cache-tokens 8192)")
+    g.add_argument("--agents", type=int, default=None, help=f"number of agents (default: {d.num_agents})")
+    g.add_argument("--arrival-window-s", type=float, default=None,
                    help=f"agents arrive uniformly over this window (default: {d.arrival_window_s:g})")
-    g.add_argument("--turns-min", type=int, default=d.turns_min)
-    g.add_argument("--turns-max", type=int, default=d.turns_max)
-    g.add_argument("--output-tokens", type=int, default=d.output_tokens, help="tokens per turn (default: 32)")
-    g.add_argument("--tool-median-s", type=float, default=d.tool_median_s)
-    g.add_argument("--tool-sigma", type=float, default=d.tool_sigma, help="log-normal sigma of tool times")
-    g.add_argument("--tool-cap-s", type=float, default=d.tool_cap_s)
-    g.add_argument("--system-tokens", type=int, default=d.system_tokens, help="shared system prompt (tokens)")
-    g.add_argument("--task-tokens", type=int, default=d.task_tokens, help="each agent's own task (tokens)")
-    g.add_argument("--tool-result-tokens", type=int, default=d.tool_result_tokens, help="each tool result (tokens)")
+    g.add_argument("--turns-min", type=int, default=None)
+    g.add_argument("--turns-max", type=int, default=None)
+    g.add_argument("--output-tokens", type=int, default=None, help="tokens per turn (default: 32)")
+    g.add_argument("--tool-median-s", type=float, default=None)
+    g.add_argument("--tool-sigma", type=float, default=None, help="log-normal sigma of tool times")
+    g.add_argument("--tool-cap-s", type=float, default=None)
+    g.add_argument("--system-tokens", type=int, default=None, help="shared system prompt (tokens)")
+    g.add_argument("--task-tokens", type=int, default=None, help="each agent's own task (tokens)")
+    g.add_argument("--tool-result-tokens", type=int, default=None, help="each tool result (tokens)")
     if seed:
-        g.add_argument("--seed", type=int, default=d.seed)
+        g.add_argument("--seed", type=int, default=None)
