@@ -286,7 +286,12 @@ torch::Tensor paged_prefill_attention(torch::Tensor q,             // [T, heads,
   TORCH_CHECK(qs[0] == 0 && qs[n] == q.size(0), "paged_prefill_attention: query_start must span q's rows");
   // A wrong call must raise, not read outside the cache: every block a chunk reads is checked.
   // Tiles of ~64 query rows (tokens x group heads): enough rows to amortise loading each K/V tile.
-  const int64_t tile_tokens = std::max<int64_t>(1, 64 / group);
+  int64_t tile_rows = 64;
+#ifdef SEGUE_PREFILL_BF16
+  if (q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16) tile_rows = bf16dp::ROWS;
+#endif
+  TORCH_CHECK(group <= tile_rows, "paged_prefill_attention: more than ", tile_rows, " query heads per KV head");
+  const int64_t tile_tokens = tile_rows / group;
   std::vector<Tile> tiles;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t len = qs[i + 1] - qs[i];
