@@ -53,3 +53,14 @@ def test_computed_prompt_tokens_meet_the_minimum_with_room(mode):
     else:
         # Plain clients re-send the history; the cache serves it but for each turn's partial block.
         assert least <= res.computed_prompt_tokens <= least + 2 * 64 + 3 * 3 * 16
+
+
+def test_sim_agents_take_the_pressure_preset_and_an_eviction_order(capsys):
+    from segue.sim.run import main
+
+    assert main(["--workload", "agents", "--agent-preset", "pressure", "--agents", "6", "--kv-cache-tokens", "4096",
+                 "--max-model-len", "4096", "--interception-policies", "min-waste", "--agent-modes", "plain",
+                 "--prefix-eviction", "reuse", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "6 agents over 32 s, 3-6 turns" in out and "tool results 300 tokens" in out
+    assert "| plain | sim | plain | server default | 6/6 |" in out and "×) |" in out

@@ -28,6 +28,9 @@ def add_sim_workload_args(p: argparse.ArgumentParser) -> None:
                         "chain or map-reduce (Parrot's programs vs request-centric clients), "
                         "mooncake (prefix-cache hit rate against capacity on the Mooncake traces)")
     add_mooncake_args(p)
+    p.add_argument("--prefix-eviction", choices=("lru", "reuse"), default="lru",
+                   help="agents, chain, map-reduce: eviction order of finished requests' cached blocks "
+                        "(SchedulerConfig.prefix_eviction; default: lru; mooncake runs both)")
     add_agent_args(p, seed=False)
     p.add_argument("--agent-modes", default="plain,sessions,auto",
                    help="agents: client modes to run (plain once; sessions and auto under each "
@@ -79,7 +82,7 @@ def _agents(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
     configs = ([("plain", None)] if "plain" in modes else []) + [
         (m, p) for m in ("sessions", "auto") if m in modes for p in args.interception_policies]
     for mode, policy in configs:
-        engine = _engine(args, policy)
+        engine = _engine(args, policy, prefix_eviction=args.prefix_eviction)
         res = run_agents(engine, spec, agents, mode, engine.clock.advance_to).to_dict()
         busy = res["busy_s"]
         rows.append({**res, "config": mode if policy is None else f"{mode}-{policy}", "target": "sim",
