@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -35,6 +36,8 @@ HEAD_ROWS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)
 # so timing them at 2048 rows would only cost start-up time.
 QUANT_MAX_ROWS = 512
 DTYPES = ("float32", "bfloat16")
+# Changes whenever the way of measuring does: tables measured another way are measured again.
+TABLE_METHOD = "interleaved-streamed-median-2"
 # Batches up to this many rows are timed over weight sets totalling at least STREAMED_BYTES (in
 # fp32), more than any CPU's last-level cache, as the model's layers are.
 STREAMED_MAX_ROWS = 128
@@ -72,12 +75,14 @@ class KernelTable:
         return min(timed, key=lambda c: times[c][bucket])
 
     def dense_dtype(self) -> str:
-        """The dtype whose GEMMs, after the quantized kernels take the rows they win, cost least
-        per token summed over the ladder (decode batches and prefill chunks weigh alike)."""
+        """The dtype whose GEMMs are fastest, each timed row count weighing alike (the sum of
+        log time ratios to the fastest dtype there): one disturbed measurement cannot outvote
+        the rest, and tiny decode batches do not outweigh prefill chunks."""
+        times = self.timings_ms["layers"]
+
         def cost(dtype: str) -> float:
-            times = self.timings_ms["layers"]
-            return sum(min(t, times.get("int8", {}).get(rows, float("inf"))) / rows
-                       for rows, t in times[dtype].items())
+            return sum(math.log(times[dtype][rows] / min(times[d][rows] for d in DTYPES))
+                       for rows in times[dtype])
         return min(DTYPES, key=cost)
 
     def quantized_up_to(self, op: str, quant: str, dtype: str) -> int:
@@ -113,21 +118,24 @@ class KernelTable:
         return "\n".join(lines)
 
 
-def _time_ms(calls: list[Callable[[], object]], reps: int = 3) -> float:
-    """Median ms of one call over `reps` passes through `calls`. The median, not the mean or the
-    minimum: on a small machine another process's time slice stalls an OpenMP region now and
-    then (seen: 8 ms on a 0.2 ms call), and the minimum of a cycle through cached weights is too
-    kind."""
-    for call in calls:
-        call()  # warm-up: first-touch of buffers, oneDNN's kernel selection
-    times = []
-    for _ in range(reps):
+def _time_interleaved(candidates: dict[str, list[Callable[[], object]]], reps: int) -> dict[str, float]:
+    """Median ms of one call of each candidate. Candidates take turns call by call, so a spell of
+    another process's load falls on all of them alike instead of on whichever was being timed;
+    the median, not the mean, because on a small machine another process's time slice stalls an
+    OpenMP region now and then (seen: 8 ms on a 0.2 ms call)."""
+    for calls in candidates.values():
         for call in calls:
-            t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2] * 1000
+            call()  # warm-up: first-touch of buffers, oneDNN's kernel selection
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    width = max(len(calls) for calls in candidates.values())
+    for _ in range(reps):
+        for i in range(width):
+            for name, calls in candidates.items():
+                if i < len(calls):
+                    t0 = time.perf_counter()
+                    calls[i]()
+                    times[name].append(time.perf_counter() - t0)
+    return {name: sorted(ts)[len(ts) // 2] * 1000 for name, ts in times.items()}
 
 
 def measure(config: ModelConfig, kernels: object | None, key: dict[str, str]) -> KernelTable:
@@ -152,25 +160,25 @@ def measure(config: ModelConfig, kernels: object | None, key: dict[str, str]) ->
         through `copies` weight sets, as many as it takes to outgrow the CPU's caches: timing one
         cached set made the kernels that read more bytes look as fast as those that read fewer."""
         sets = [[torch.randn(n, k, generator=gen) * 0.02 for n, k in op_shapes] for _ in range(copies)]
-        out: dict[str, dict[int, float]] = {}
-
-        def timed(make_layers: Callable[[list[torch.Tensor]], list], dtype: torch.dtype, rows: int) -> float:
-            n = copies if rows <= STREAMED_MAX_ROWS else 1  # large batches are compute-bound
-            layers = [make_layers(ws) for ws in sets[:n]]
-            xs = [torch.randn(rows, k, generator=gen).to(dtype) for _, k in op_shapes]
-            # One call: a whole layer's projections (or the LM head), as the forward runs them.
-            return _time_ms([lambda fs=fs: [f(x) for f, x in zip(fs, xs)] for fs in layers],
-                            reps=3 if n > 1 else 5)
-
+        makers: dict[str, Callable[[list[torch.Tensor]], list]] = {}
         for dtype in DTYPES:
             dt = getattr(torch, dtype)
-            out[dtype] = {rows: timed(lambda ws: [(lambda x, w=w.to(dt): F.linear(x, w)) for w in ws], dt, rows)
-                          for rows in ladder}
+            makers[dtype] = lambda ws, dt=dt: [(lambda x, w=w.to(dt): F.linear(x, w)) for w in ws]
         for quant in quants:
-            out[quant.value] = {
-                rows: timed(lambda ws: [LinearWeights(w, None, quant, torch.float32, kernels, dense_above=1 << 30)
-                                        for w in ws], torch.float32, rows)
-                for rows in ladder if rows <= QUANT_MAX_ROWS}
+            makers[quant.value] = lambda ws, quant=quant: [
+                LinearWeights(w, None, quant, torch.float32, kernels, dense_above=1 << 30) for w in ws]
+        built = {name: [make(ws) for ws in sets] for name, make in makers.items()}
+        out: dict[str, dict[int, float]] = {name: {} for name in makers}
+        for rows in ladder:
+            n = copies if rows <= STREAMED_MAX_ROWS else 1  # large batches are compute-bound
+            x32 = [torch.randn(rows, k, generator=gen) for _, k in op_shapes]
+            # Activations in the GEMM's dtype; the quantized kernels take fp32 (they widen any other).
+            xs = {name: [x.to(getattr(torch, name)) for x in x32] if name in DTYPES else x32 for name in built}
+            # One call: a whole layer's projections (or the LM head), as the forward runs them.
+            calls = {name: [lambda fs=fs, xs=xs[name]: [f(x) for f, x in zip(fs, xs)] for fs in layers[:n]]
+                     for name, layers in built.items() if name in DTYPES or rows <= QUANT_MAX_ROWS}
+            for name, ms in _time_interleaved(calls, reps=3 if n > 1 else 5).items():
+                out[name][rows] = ms
         return out
 
     layer_bytes = 4 * sum(n * k for n, k in shapes)
@@ -193,7 +201,7 @@ def table_key(config: ModelConfig, kernels: object | None) -> dict[str, str]:
 
     shapes = (config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
               config.head_dim, config.vocab_size)
-    return {**cpu_identity(), "threads": str(torch.get_num_threads()), "torch": torch.__version__,
+    return {**cpu_identity(), "method": TABLE_METHOD, "threads": str(torch.get_num_threads()), "torch": torch.__version__,
             "kernels": getattr(kernels, "__name__", "none"), "shapes": ",".join(map(str, shapes))}
 
 

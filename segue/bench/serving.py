@@ -1,0 +1,144 @@
+"""`segue bench serving --url URL`: the four serving rows of BENCHMARKS.md against any
+OpenAI-compatible server (Segue, vLLM, ...), over HTTP, with random token-id prompts the way
+vLLM's `bench serve --dataset-name random` makes them:
+
+- load: 64 requests of 256 prompt / 128 output tokens at once (output tok/s);
+- single: 4 such requests one at a time (output tok/s);
+- prefill: 16 requests of 2,048 prompt tokens and 1 output token at once (input tok/s);
+- next: 32 requests sharing a 3,000-token prefix plus 400 tokens of their own, 16 output tokens,
+  after two requests have put the prefix in the server's cache (input tok/s): the shape of every
+  agent turn after the first, a long history re-sent on top of a cached prefix.
+
+The headline comparisons in BENCHMARKS.md use vLLM's own client (the peer's tool, not ours); this
+is the same workload for anyone without vLLM installed, and its numbers are comparable between
+servers measured with it in one session.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass
+
+from segue.bench import Benchmark
+
+ROWS = ("load", "single", "prefill", "next")
+
+
+@dataclass(frozen=True)
+class RowShape:
+    num_prompts: int
+    input_len: int
+    output_len: int
+    concurrency: int | None = None  # None: all at once
+    prefix_len: int = 0
+
+
+SHAPES = {"load": RowShape(64, 256, 128), "single": RowShape(4, 256, 128, concurrency=1),
+          "prefill": RowShape(16, 2048, 1), "next": RowShape(32, 400, 16, prefix_len=3000)}
+
+
+@dataclass
+class RowResult:
+    row: str
+    duration_s: float
+    input_tokens: int
+    output_tokens: int
+    mean_ttft_ms: float
+    errors: int
+
+    @property
+    def input_tok_s(self) -> float:
+        return self.input_tokens / self.duration_s
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.duration_s
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", required=True, help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows to run ({', '.join(ROWS)})")
+    p.add_argument("--vocab-size", type=int, default=49152, help="token ids are drawn below this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+
+
+def random_ids(rng, n: int, vocab: int) -> list[int]:
+    # Away from the special and byte tokens at both ends of the vocabulary, as throughput's prompts.
+    return [rng.randrange(1000, vocab - 1000) for _ in range(n)]
+
+
+async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+    """(TTFT in seconds, output tokens) of one streamed completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "temperature": 0.0, "stream_options": {"include_usage": True}}
+    t0, ttft, tokens = time.perf_counter(), None, 0
+    async with client.stream("POST", url + "/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and ttft is None:
+                ttft = time.perf_counter() - t0
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return (ttft if ttft is not None else time.perf_counter() - t0), tokens
+
+
+async def run_row(url: str, model: str, row: str, vocab: int, seed: int) -> RowResult:
+    import random
+
+    import httpx
+
+    shape, rng = SHAPES[row], random.Random(seed)
+    prefix = random_ids(rng, shape.prefix_len, vocab)
+    prompts = [prefix + random_ids(rng, shape.input_len, vocab) for _ in range(shape.num_prompts)]
+    limit = asyncio.Semaphore(shape.concurrency or shape.num_prompts)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0)) as client:
+        if shape.prefix_len:  # the prefix is in the server's cache before the measured requests
+            for _ in range(2):
+                await _one(client, url, model, prefix + random_ids(rng, shape.input_len, vocab), shape.output_len)
+
+        async def bounded(prompt: list[int]) -> tuple[float, int] | BaseException:
+            async with limit:
+                try:
+                    return await _one(client, url, model, prompt, shape.output_len)
+                except (httpx.HTTPError, ValueError) as e:
+                    return e
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(bounded(p) for p in prompts))
+        duration = time.perf_counter() - t0
+    ok = [r for r in results if not isinstance(r, BaseException)]
+    return RowResult(row, duration, sum(len(p) for p in prompts), sum(n for _, n in ok),
+                     1000 * sum(t for t, _ in ok) / max(1, len(ok)), len(results) - len(ok))
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in SHAPES]
+    if unknown:
+        raise SystemExit(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
+    url = args.url.rstrip("/")
+    model = args.served_model or httpx.get(url + "/models", timeout=30).json()["data"][0]["id"]
+    results = [asyncio.run(run_row(url, model, row, args.vocab_size, args.seed)) for row in rows]
+    print("| row | duration (s) | input tok/s | output tok/s | mean TTFT (ms) | errors |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {r.row} | {r.duration_s:.2f} | {r.input_tok_s:.0f} | {r.output_tok_s:.1f} | "
+              f"{r.mean_ttft_ms:.0f} | {r.errors} |")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump([{**asdict(r), "input_tok_s": r.input_tok_s, "output_tok_s": r.output_tok_s}
+                       for r in results], f, indent=1)
+    return 1 if any(r.errors for r in results) else 0
+
+
+BENCHMARK = Benchmark("serving", "load, single-stream, long-prefill and next-turn rows against any OpenAI URL",
+                      add_arguments, run, description=__doc__)
