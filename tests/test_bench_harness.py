@@ -6,6 +6,7 @@ import asyncio
 import json
 from typing import Iterator
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -242,3 +243,19 @@ def test_fidelity_runs_real_and_sim(tiny_model, tmp_path, restore_torch_threads)
     err = run["sim_error"]["output_throughput"]
     assert err == pytest.approx(run["sim"]["output_throughput"] / run["real"]["output_throughput"] - 1)
     assert {s["steps"] for s in run["steps"]} <= {"with prefill", "decode only"} and run["steps"]
+
+
+def test_serving_rows_drive_a_url(live_server):
+    """`segue bench serving`'s rows, shrunk to the tiny model's context: every request answered,
+    exact token counts (ignore_eos), the next-turn row's prompts sharing their prefix."""
+    from segue.bench.serving import RowShape, run_row
+
+    url, app = live_server
+    model = httpx.get(url + "/models").json()["data"][0]["id"]
+    vocab = app.state.serving.engine.engine.model_config.vocab_size
+    load = asyncio.run(run_row(url, model, "load", vocab, 0, RowShape(6, 20, 5)))
+    assert (load.errors, load.input_tokens, load.output_tokens) == (0, 120, 30)
+    single = asyncio.run(run_row(url, model, "single", vocab, 0, RowShape(2, 20, 5, concurrency=1)))
+    assert (single.errors, single.output_tokens) == (0, 10) and single.mean_ttft_ms > 0
+    nxt = asyncio.run(run_row(url, model, "next", vocab, 0, RowShape(4, 10, 3, prefix_len=60)))
+    assert (nxt.errors, nxt.input_tokens, nxt.output_tokens) == (0, 280, 12)

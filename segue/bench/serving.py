@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def random_ids(rng, n: int, vocab: int) -> list[int]:
     # Away from the special and byte tokens at both ends of the vocabulary, as throughput's prompts.
-    return [rng.randrange(1000, vocab - 1000) for _ in range(n)]
+    lo, hi = (1000, vocab - 1000) if vocab > 4000 else (0, vocab)
+    return [rng.randrange(lo, hi) for _ in range(n)]
 
 
 async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
@@ -89,12 +90,14 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int)
     return (ttft if ttft is not None else time.perf_counter() - t0), tokens
 
 
-async def run_row(url: str, model: str, row: str, vocab: int, seed: int) -> RowResult:
+async def run_row(url: str, model: str, row: str, vocab: int, seed: int,
+                  shape: RowShape | None = None) -> RowResult:
+    """One row; `shape` overrides the row's standard shape (tests on a small model)."""
     import random
 
     import httpx
 
-    shape, rng = SHAPES[row], random.Random(seed)
+    shape, rng = shape or SHAPES[row], random.Random(seed)
     prefix = random_ids(rng, shape.prefix_len, vocab)
     prompts = [prefix + random_ids(rng, shape.input_len, vocab) for _ in range(shape.num_prompts)]
     limit = asyncio.Semaphore(shape.concurrency or shape.num_prompts)
