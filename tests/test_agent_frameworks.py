@@ -124,12 +124,30 @@ def test_openai_agents_sdk_tool_agent(server_url: str, stream: bool) -> None:
 
 # ---- LangGraph + langchain-openai ----------------------------------------------------------
 
-def run_langgraph_agent(url: str, stream: bool) -> tuple[list[Any], list[dict[str, Any]], int]:
-    from langchain_core.messages import HumanMessage, ToolMessage
-    from langchain_core.tools import tool
-    from langchain_openai import ChatOpenAI
+def tool_graph(caller: Any, answerer: Any, tool_fn: Any) -> Any:
+    """The one-tool agent graph both LangGraph tests run: `caller` until a tool result is in,
+    then `answerer` answers from it."""
+    from langchain_core.messages import ToolMessage
     from langgraph.graph import END, START, MessagesState, StateGraph
     from langgraph.prebuilt import ToolNode, tools_condition
+
+    def agent(state: MessagesState) -> dict[str, Any]:
+        answered = isinstance(state["messages"][-1], ToolMessage)
+        return {"messages": [(answerer if answered else caller).invoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", agent)
+    graph.add_node("tools", ToolNode([tool_fn]))
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
+    graph.add_edge("tools", "agent")
+    return graph.compile()
+
+
+def run_langgraph_agent(url: str, stream: bool) -> tuple[list[Any], list[dict[str, Any]], int]:
+    from langchain_core.messages import HumanMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
 
     calls: list[dict[str, Any]] = []
 
@@ -141,20 +159,8 @@ def run_langgraph_agent(url: str, stream: bool) -> tuple[list[Any], list[dict[st
 
     llm = ChatOpenAI(base_url=url, api_key="unused", model=model_name(url), max_tokens=MAX_TOKENS,
                      streaming=stream)
-    caller = llm.bind_tools([get_weather], tool_choice="required")
-
-    def agent(state: MessagesState) -> dict[str, Any]:
-        # Call the tool first; once its result is in, answer from it.
-        answered = isinstance(state["messages"][-1], ToolMessage)
-        return {"messages": [(llm if answered else caller).invoke(state["messages"])]}
-
-    graph = StateGraph(MessagesState)
-    graph.add_node("agent", agent)
-    graph.add_node("tools", ToolNode([get_weather]))
-    graph.add_edge(START, "agent")
-    graph.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
-    graph.add_edge("tools", "agent")
-    app = graph.compile()
+    # Call the tool first; once its result is in, answer from it.
+    app = tool_graph(llm.bind_tools([get_weather], tool_choice="required"), llm, get_weather)
     inputs = {"messages": [HumanMessage("What is the weather in Paris?")]}
     chunks = 0
     if stream:
@@ -263,11 +269,9 @@ def test_openai_agents_sdk_typed_tools_and_output_type(server_url: str, stream: 
 
 
 def run_typed_langgraph(url: str, stream: bool, choice: str) -> tuple[list[Any], list[Any]]:
-    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.messages import HumanMessage
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
-    from langgraph.graph import END, START, MessagesState, StateGraph
-    from langgraph.prebuilt import ToolNode, tools_condition
 
     calls: list[Any] = []
     @tool(args_schema=WeatherArgs)
@@ -280,18 +284,8 @@ def run_typed_langgraph(url: str, stream: bool, choice: str) -> tuple[list[Any],
                      streaming=stream)
     caller = llm.bind_tools([get_weather], tool_choice=choice, response_format=Forecast)
     answerer = llm.bind_tools([get_weather], tool_choice="none", response_format=Forecast)
-
-    def agent(state: MessagesState) -> dict[str, Any]:
-        answered = isinstance(state["messages"][-1], ToolMessage)
-        return {"messages": [(answerer if answered else caller).invoke(state["messages"])]}
-
-    graph = StateGraph(MessagesState)
-    graph.add_node("agent", agent)
-    graph.add_node("tools", ToolNode([get_weather]))
-    graph.add_edge(START, "agent")
-    graph.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
-    graph.add_edge("tools", "agent")
-    messages = graph.compile().invoke({"messages": [HumanMessage("What is the weather in Paris?")]})["messages"]
+    app = tool_graph(caller, answerer, get_weather)
+    messages = app.invoke({"messages": [HumanMessage("What is the weather in Paris?")]})["messages"]
     return messages, calls
 
 
