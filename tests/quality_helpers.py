@@ -71,12 +71,13 @@ def _decode_over_cache(model: LlamaModel, prompt: list[int], n: int, forced: lis
     table = torch.arange(blocks, device=dev)
     p = len(prompt)
     meta = AttentionMetadata(slot_mapping=torch.arange(p, device=dev))
-    meta.prefills = [PrefillChunk(0, p, 0, table[:cdiv(p, block_size)], None)]
     if model.kernels is not None and cfg.head_dim == 64:  # the native paged prefill, as the engine runs it
         meta.prefill_kernel = model.kernels
         meta.prefill_query_start = torch.tensor([0, p])
         meta.prefill_start_pos = torch.tensor([0])
         meta.prefill_block_tables = table[:cdiv(p, block_size)].view(1, -1)
+    else:
+        meta.prefills = [PrefillChunk(0, p, 0, table[:cdiv(p, block_size)], None)]
     hidden = model.forward(torch.tensor(prompt, device=dev), torch.arange(p, device=dev), meta, cache)
     rows = [model.compute_logits(hidden[-1:]).float().cpu()]
     for i in range(n - 1):

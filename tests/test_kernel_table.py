@@ -179,3 +179,13 @@ def test_one_disturbed_measurement_does_not_decide_the_dtype():
     noisy = table(int8={1: 2.3}, fp32={1: 0.86, 8: 1.1, 64: 3.6, 512: 19.0, 2048: 75.0},
                   bf16={1: 2.48, 8: 0.5, 64: 0.9, 512: 4.9, 2048: 18.3})
     assert noisy.dense_dtype() == "bfloat16"
+
+
+def test_nothing_is_measured_when_the_configuration_decides_everything(monkeypatch):
+    def refuse(config, kernels):
+        raise AssertionError("no kernel table should be measured")
+
+    monkeypatch.setattr(kt, "kernel_table", refuse)
+    plan = kernel_plan.plan_kernels(ModelLoadConfig(dtype="float32", quantization="none"), TINY,
+                                    torch.device("cpu"), object())
+    assert (plan.dtype, plan.quantization) == (torch.float32, Quantization.NONE)

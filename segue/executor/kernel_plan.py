@@ -14,7 +14,7 @@ from segue.model.quant import Quantization, dequantize_int4, dequantize_int8, qu
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Larger than any batch: the quantized kernels take every row.
 _EVERY_BATCH = 1 << 30
 
@@ -72,8 +72,10 @@ def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.devic
     quantization would only dequantize (worse numbers, no speed), so "auto" is none."""
     if load.batch_invariant:
         return _batch_invariant_plan(load, device, kernels)
-    if device.type != "cpu":
-        dtype = torch.bfloat16 if load.dtype == "auto" else _DTYPES[load.dtype]
+    quant_fixed = load.quantization == "none" or (kernels is None and load.quantization != "auto")
+    if device.type != "cpu" or (load.dtype != "auto" and quant_fixed):
+        # Nothing left for a CPU kernel table to decide: no table is measured.
+        dtype = torch.bfloat16 if load.dtype == "auto" else DTYPES[load.dtype]
         quant = Quantization.NONE if load.quantization == "auto" else Quantization(load.quantization)
         return KernelPlan(dtype, quant)
     from segue.model.kernel_table import kernel_table
@@ -84,7 +86,7 @@ def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.devic
     dense = dtype_name if dtype_name in ("float32", "bfloat16") else "bfloat16"
     if kernels is None:
         quant = Quantization.NONE if load.quantization == "auto" else Quantization(load.quantization)
-        return KernelPlan(_DTYPES[dtype_name], quant)
+        return KernelPlan(DTYPES[dtype_name], quant)
     if load.quantization == "auto":
         exact_layers, exact_head = lossless_formats(weights, config) if weights is not None else (set(), set())
         allowed = exact_layers | ({"int8"} if dense == "float32" else set())
@@ -101,7 +103,7 @@ def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.devic
     head_rows = table.quantized_up_to("lm_head", "int8", dense) if head_quant is not Quantization.NONE else 0
     if not head_rows:
         head_quant = Quantization.NONE
-    plan = KernelPlan(_DTYPES[dtype_name], quant, rows, head_rows, head_quant)
+    plan = KernelPlan(DTYPES[dtype_name], quant, rows, head_rows, head_quant)
     logger.info("kernels: %s; %s layers up to %d rows, %s LM head up to %d rows (the kernel table of %s)",
                 dtype_name, quant.value, rows, head_quant.value, head_rows, table.key.get("cpu"))
     return plan
@@ -118,5 +120,5 @@ def _batch_invariant_plan(load: ModelLoadConfig, device: torch.device, kernels: 
                           "use quantization auto, int8 or int4")
     quant = Quantization.INT4 if load.quantization == "int4" else Quantization.INT8
     # The kernels accumulate in fp32; bf16 activations would only add a rounding per layer.
-    dtype = torch.float32 if load.dtype == "auto" else _DTYPES[load.dtype]
+    dtype = torch.float32 if load.dtype == "auto" else DTYPES[load.dtype]
     return KernelPlan(dtype, quant, _EVERY_BATCH, _EVERY_BATCH, Quantization.INT8)

@@ -22,7 +22,7 @@ class LoadedModel(NamedTuple):
 def load_model(config: EngineConfig) -> LoadedModel:
     import torch
 
-    from segue.executor.kernel_plan import plan_kernels, resolve_device
+    from segue.executor.kernel_plan import DTYPES, plan_kernels, resolve_device
     from segue.executor.model_executor import ModelExecutor
     from segue.model.loader import load_checkpoint
 
@@ -36,7 +36,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     # Loaded in full precision unless both choices are fixed: quantized weights are made from
     # full-precision ones, not from a bf16-rounded copy, and "auto" is decided after loading.
     fixed = config.model.dtype != "auto" and config.model.quantization == "none"
-    ckpt = load_checkpoint(config.model.model, dtype=getattr(torch, config.model.dtype) if fixed else torch.float32)
+    ckpt = load_checkpoint(config.model.model, dtype=DTYPES[config.model.dtype] if fixed else torch.float32)
     plan = plan_kernels(config.model, ckpt.config, device, kernels, ckpt.weights)
     executor = ModelExecutor(ckpt, config.cache, device, plan, kernels)
     return LoadedModel(executor, ckpt.tokenizer, ckpt.config, ckpt.name, ckpt.chat_template)

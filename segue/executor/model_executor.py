@@ -14,15 +14,12 @@ from segue.model.attention import AttentionMetadata, PrefillChunk
 from segue.model.kv_cache import KVCache
 from segue.model.llama import LlamaModel
 from segue.model.loader import LoadedCheckpoint
-from segue.executor.kernel_plan import KernelPlan
+from segue.executor.kernel_plan import DTYPES, KernelPlan
 from segue.model.sampler import sample
 from segue.sched.output import ScheduledSeq, SchedulerOutput
 from segue.structured.bitmask import fill_bitmask
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class ModelExecutor(Executor):
     def __init__(self, ckpt: LoadedCheckpoint, cache: CacheConfig, device: torch.device, plan: KernelPlan,
@@ -39,7 +36,7 @@ class ModelExecutor(Executor):
                                 head_quantization=plan.head_quantization)
         cfg = ckpt.config
         self.block_size = cache.block_size
-        self.kv_dtype = dtype if cache.kv_cache_dtype == "auto" else _DTYPES[cache.kv_cache_dtype]
+        self.kv_dtype = dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
         if self.kv_dtype != dtype and not (dtype == torch.float32 and self.kv_dtype == torch.bfloat16):
             raise ConfigError(f"kv_cache_dtype {cache.kv_cache_dtype} under a {str(dtype).removeprefix('torch.')} "
                               "model: the cache takes the model's dtype, or bfloat16 under float32")
@@ -97,7 +94,7 @@ class ModelExecutor(Executor):
         if prefills and self.prefill_kernel is not None:
             self._native_prefill_metadata(meta, prefills)
         else:
-            self._torch_prefill_metadata(meta, prefills, len(decodes))
+            self._torch_prefill_metadata(meta, prefills)
         input_ids = torch.tensor(ids, device=dev)
         pos_t = torch.tensor(positions, device=dev)
         return input_ids, pos_t, meta
@@ -115,13 +112,9 @@ class ModelExecutor(Executor):
         meta.prefill_query_start = torch.tensor(starts)
         meta.prefill_start_pos = torch.tensor([s.start_pos for s in prefills])
         meta.prefill_block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
-        row = meta.num_decodes
-        for s in prefills:  # kept for readers of the chunk list (the kernel needs no mask)
-            meta.prefills.append(PrefillChunk(row, row + s.num_tokens, s.start_pos, torch.empty(0), None))
-            row += s.num_tokens
 
-    def _torch_prefill_metadata(self, meta: AttentionMetadata, prefills: list[ScheduledSeq], row: int) -> None:
-        bs, dev = self.block_size, self.device
+    def _torch_prefill_metadata(self, meta: AttentionMetadata, prefills: list[ScheduledSeq]) -> None:
+        bs, dev, row = self.block_size, self.device, meta.num_decodes
         for s in prefills:
             ctx_len = s.start_pos + s.num_tokens
             mask = None

@@ -39,8 +39,9 @@ class AttentionMetadata:
     # else None: the torch path.
     decode_kernel: object | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # The native paged prefill kernel and its varlen arguments, when it applies; else the
-    # per-chunk torch path. Prefill rows follow the decodes contiguously.
+    # The native paged prefill kernel and its varlen arguments when the step has prefill chunks
+    # and the kernel applies (then `prefills` stays empty); else the per-chunk torch path over
+    # `prefills`. Prefill rows follow the decodes contiguously.
     prefill_kernel: object | None = None
     prefill_query_start: torch.Tensor | None = None   # [chunks + 1] row offsets within the prefill rows
     prefill_start_pos: torch.Tensor | None = None     # [chunks]
@@ -89,7 +90,7 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, c
     parts = []
     if meta.num_decodes:
         parts.append(_decode_attention(q[:meta.num_decodes], cache, layer, meta, scale))
-    if meta.prefills and meta.prefill_kernel is not None:
+    if meta.prefill_kernel is not None:
         nd, nh, hd = meta.num_decodes, q.shape[1], q.shape[2]
         out = meta.prefill_kernel.paged_prefill_attention(
             q[nd:], cache.k[layer], cache.v[layer], meta.prefill_query_start, meta.prefill_start_pos,

@@ -92,11 +92,12 @@ class LinearWeights:
         self.mode = quant
         self.dense_above = dense_above
         self._kernels = kernels if quant is not Quantization.NONE else None
-        self.dense = weight.to(dtype).contiguous()
         # Larger batches run the GEMM over the *dequantized* weight, not the original: the layer
         # is one function whatever the batch size, so a request's greedy output does not depend
         # on who else is in the step (only the summation order differs between the two kernels).
-        if quant is Quantization.INT8:
+        if quant is Quantization.NONE:
+            self.dense = weight.to(dtype).contiguous()
+        elif quant is Quantization.INT8:
             q, scale = quantize_int8(weight)
             self.dense = dequantize_int8(q, scale).to(dtype).contiguous()
             if kernels is not None:
