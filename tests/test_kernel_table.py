@@ -189,3 +189,18 @@ def test_nothing_is_measured_when_the_configuration_decides_everything(monkeypat
     plan = kernel_plan.plan_kernels(ModelLoadConfig(dtype="float32", quantization="none"), TINY,
                                     torch.device("cpu"), object())
     assert (plan.dtype, plan.quantization) == (torch.float32, Quantization.NONE)
+
+
+def test_cpu_identity_without_proc_uses_torchs_dispatch_level(monkeypatch):
+    import builtins
+    real_open = builtins.open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path) == "/proc/cpuinfo":
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    with_proc = kt.cpu_identity()
+    monkeypatch.setattr(builtins, "open", no_proc)
+    without = kt.cpu_identity()
+    assert without["flags"] and without["flags"] != with_proc["flags"]

@@ -34,10 +34,7 @@ def run(args: argparse.Namespace) -> int:
     model = ckpt.config
     if args.remeasure:
         table = kt.measure(model, kernels, kt.table_key(model, kernels))
-        # Save it where the engine looks, so the next start uses this measurement.
-        path = kt.table_path(table.key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(table.to_json())
+        kt.save(table)  # where the engine looks, so the next start uses this measurement
     else:
         table = kt.kernel_table(model, kernels)
     plan = plan_kernels(config.model, model, device, kernels, ckpt.weights)

@@ -54,8 +54,10 @@ def cpu_identity() -> dict[str, str]:
                     model = line.split(":", 1)[1].strip()
                 elif line.startswith("flags") and not flags:
                     flags = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    except OSError:  # no /proc (macOS, Windows): torch's dispatch level stands in for the flags
+        import torch
+
+        flags = f"torch-capability {torch.backends.cpu.get_cpu_capability()}"
     return {"cpu": model, "machine": platform.machine(),
             "flags": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]}
 
@@ -209,6 +211,18 @@ def table_path(key: dict[str, str]) -> Path:
     return cache_dir() / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20] + ".json")
 
 
+def save(table: KernelTable) -> None:
+    """Into the cache where kernel_table() looks for this machine's table."""
+    path = table_path(table.key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(table.to_json())
+        tmp.replace(path)  # atomic: a concurrent start reads a whole table or none
+    except OSError as e:  # a read-only home: measure again next time
+        logger.warning("could not save the kernel table to %s (%s)", path, e)
+
+
 def kernel_table(config: ModelConfig, kernels: object | None) -> KernelTable:
     """This machine's table for the model's shapes: from the cache when its key matches exactly,
     else measured now (seconds) and saved."""
@@ -222,11 +236,5 @@ def kernel_table(config: ModelConfig, kernels: object | None) -> KernelTable:
         if not isinstance(e, FileNotFoundError):
             logger.warning("ignoring an unreadable kernel table %s (%s)", path, e)
     table = measure(config, kernels, key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(table.to_json())
-        tmp.replace(path)  # atomic: a concurrent start reads a whole table or none
-    except OSError as e:  # a read-only home: measure again next time
-        logger.warning("could not save the kernel table to %s (%s)", path, e)
+    save(table)
     return table
