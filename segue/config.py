@@ -74,6 +74,10 @@ class SchedulerConfig:
     # "reuse" (LRU shifted by each block's expected reuse distance, segue/kv/reuse.py; ahead of
     # LRU at every capacity on the Mooncake traces, BENCHMARKS.md).
     prefix_eviction: str = "lru"
+    # Agents (segue/sched/agents.py): a finished turn whose agent is likely back keeps its history
+    # on the device across the tool gap, and admission gives a newcomer only the memory that the
+    # retained histories and the running requests' prompts leave (thrashing avoidance, issue 25).
+    agent_retention: bool = True
 
     def validate(self) -> None:
         if self.prefix_eviction not in ("lru", "reuse"):

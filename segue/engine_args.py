@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Parrot's latency capacity: while a latency-sensitive request runs (plain API requests "
                         "are), the running requests hold at most this many tokens; a program's throughput "
                         "task group alone may fill the pool (default: no cap)")
+    g.add_argument("--no-agent-retention", action="store_true",
+                   help="turn off agent-aware retention and admission: finished turns' histories go straight "
+                        "to the LRU prefix cache and admission does not protect them (segue/sched/agents.py)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--policy", default=SchedulerConfig.policy, help="scheduling policy name")
     g.add_argument("--interception-policy", default=SchedulerConfig.interception_policy,
@@ -63,6 +66,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                   watermark=args.watermark, latency_capacity_tokens=args.latency_capacity_tokens,
                                   policy=args.policy, interception_policy=args.interception_policy,
-                                  profile_path=args.profile_path),
+                                  profile_path=args.profile_path,
+                                  agent_retention=not getattr(args, "no_agent_retention", False)),
         num_threads=args.threads,
     ).validate()

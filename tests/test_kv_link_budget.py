@@ -34,7 +34,8 @@ def test_host_hit_swap_ins_and_write_backs_share_the_budget():
     """A host-tier hit's swap-ins allocate device blocks, which evicts cached blocks that get
     written back: both kinds of copy in one step, within one budget (before: each had a whole
     budget of its own, twice the link's capacity)."""
-    sched, ex = make("min-waste", device_blocks=10, host_blocks=20)
+    # Without agent retention a's blocks go straight to the prefix cache when it finishes.
+    sched, ex = make("min-waste", device_blocks=10, host_blocks=20, agent_retention=False)
     a = Request("a", list(range(24)), SamplingParams(max_tokens=2), 0.0)
     sched.add_request(a)
     now = run_until_generated(sched, ex, a, 2, 0.0)

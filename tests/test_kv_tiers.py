@@ -28,12 +28,13 @@ SYSTEM = list(range(100, 112))  # three full blocks every agent shares
 
 
 def make(policy: str, device_blocks: int = 40, host_blocks: int = 40, budget: int = 64,
-         fwd_ms_per_token: float = 1.0) -> tuple[Scheduler, FakeKVExecutor]:
+         fwd_ms_per_token: float = 1.0, agent_retention: bool = True) -> tuple[Scheduler, FakeKVExecutor]:
     kv = KVCacheManager(BS, device_blocks, host_blocks)
     # A fast link: the whole context fits in one step's swap limit.
     cost = CostModel(fwd_ms_per_token=fwd_ms_per_token, fwd_base_ms=5.0, saturation_tokens=16,
                      swap_bytes_per_s=1e9, kv_bytes_per_token=100)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8), kv, make_policy("fcfs"),
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, agent_retention=agent_retention),
+                      kv, make_policy("fcfs"),
                       max_model_len=200, interception=make_interception_policy(policy), cost=cost)
     return sched, FakeKVExecutor(BS)
 
@@ -244,7 +245,8 @@ def test_agents_sharing_a_system_prompt_in_the_simulator(policy, order):
 def test_evicted_cached_blocks_are_written_back_to_the_host_tier():
     """A finished request's cached blocks, evicted for another request, are copied to the host
     first (within the swap budget); a later request with that prefix loads them from there."""
-    sched, ex = make("min-waste", device_blocks=10, host_blocks=20)
+    # Without agent retention a's blocks go straight to the prefix cache when it finishes.
+    sched, ex = make("min-waste", device_blocks=10, host_blocks=20, agent_retention=False)
     a = Request("a", list(range(24)), SamplingParams(max_tokens=2), 0.0)
     sched.add_request(a)
     now = run_until_generated(sched, ex, a, 2, 0.0)

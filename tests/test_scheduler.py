@@ -15,9 +15,11 @@ from segue.sched.scheduler import Scheduler
 VOCAB = 50
 
 
-def make_scheduler(num_blocks=32, block_size=4, budget=32, max_seqs=8, caching=True, watermark=0.0):
+def make_scheduler(num_blocks=32, block_size=4, budget=32, max_seqs=8, caching=True, watermark=0.0,
+                   agent_retention=True):
     kv = KVCacheManager(block_size, num_blocks, enable_prefix_caching=caching)
-    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, watermark=watermark)
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, watermark=watermark,
+                          agent_retention=agent_retention)
     return Scheduler(cfg, kv, make_policy("fcfs"), max_model_len=num_blocks * block_size)
 
 
@@ -35,6 +37,13 @@ def run_step(sched: Scheduler, now: float) -> None:
     assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
     assert len(out.seqs) <= sched.config.max_num_seqs
     sched.update_from_output(out, sampled)
+    sched.check_invariants()
+
+
+def expire_retained(sched: Scheduler) -> None:
+    """Step once after every retained history has expired (sched/agents.py keeps a finished
+    request's context while its agent is likely back): then the pool must be whole again."""
+    sched.schedule(sched.now + 1e6)
     sched.check_invariants()
 
 
@@ -72,6 +81,7 @@ def test_random_workload_invariants_and_outputs(seed, num_blocks, budget, cachin
         run_step(sched, float(step))
         step += 1
         assert step < 5000, "scheduler made no progress"
+    expire_retained(sched)
     assert sched.kv.num_held_blocks() == 0
     assert sched.kv.device.num_free_blocks == num_blocks
     for req in reqs:
@@ -106,7 +116,9 @@ def test_prefix_cache_hit_counts_whole_blocks_and_backs_off_full_hit():
 
 
 def test_preemption_when_blocks_run_out_recomputes_latest_arrival():
-    sched = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    # The preemption mechanism itself: with thrashing avoidance (the default) b would not start
+    # in a pool it cannot finish in (tests/test_agent_retention.py).
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=64, agent_retention=False)
     a = Request("a", list(range(7)), SamplingParams(max_tokens=6), 0.0)
     b = Request("b", list(range(20, 27)), SamplingParams(max_tokens=6), 1.0)
     sched.add_request(a)
@@ -284,4 +296,5 @@ def test_admission_keeps_kv_accounting_every_step(seed, num_blocks, budget, poli
             continue
         run_step(sched, step * 0.01)
     assert not sched.has_unfinished_requests()
+    expire_retained(sched)
     assert kv.num_held_blocks() == 0 and kv.num_free_blocks == num_blocks

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from segue.kv.block_pool import BlockPool, KVBlock
+from segue.kv.retained import RetainedContext
 from segue.kv.swapping import SwapMixin
 from segue.request import Request
 
@@ -32,6 +33,8 @@ class KVCacheManager(SwapMixin):
         self.host_tables: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request are already published in the prefix cache.
         self._num_registered: dict[str, int] = {}
+        # Contexts held for a finished request's expected continuation (retain()).
+        self._retained: dict[int, RetainedContext] = {}
         # Device blocks being copied out during the current step: the copy overlaps the forward
         # pass, so they return to the pool only at the next step (release_swapped_out()).
         self._swapping_out: list[KVBlock] = []
@@ -102,6 +105,11 @@ class KVCacheManager(SwapMixin):
         for i in range(len(hashes), request.num_tokens // bs):
             parent = hash((parent, tuple(request.tokens_slice(i * bs, (i + 1) * bs))))
             hashes.append(parent)
+
+    def full_block_hashes(self, request: Request) -> list[int]:
+        """The prefix-cache hashes of the request's full blocks (its token chain), head first."""
+        self._update_block_hashes(request)
+        return request.block_hashes
 
     def _block_key(self, request: Request, i: int) -> tuple[int, tuple[int, ...]]:
         bs = self.block_size
@@ -220,10 +228,44 @@ class KVCacheManager(SwapMixin):
         self._num_registered.pop(rid, None)
         request.num_computed_tokens = 0
 
+    # ---- retained contexts ---------------------------------------------------------------
+    def retain(self, request: Request) -> RetainedContext | None:
+        """Free a finished request's KV but keep its cached blocks held by a handle: the context
+        stays on the device (not evictable) until release_retained(). The uncached tail (a partial
+        last block) is freed. None, with everything freed as by free(), when nothing is cached or
+        part of the context is on the host."""
+        rid = request.request_id
+        n = self._num_registered.get(rid, 0)
+        if n == 0 or rid in self.host_tables or rid not in self.tables:
+            self.free(request)
+            return None
+        table = self.tables.pop(rid)
+        self._num_registered.pop(rid, None)
+        self.device.free(list(reversed(table[n:])))
+        handle = RetainedContext(table[:n])
+        self._retained[id(handle)] = handle
+        return handle
+
+    def release_retained(self, handle: RetainedContext) -> int:
+        """Let a retained context go into the prefix cache (evictable, still findable: a late
+        continuation recomputes only what was evicted since). Returns the device blocks freed."""
+        if self._retained.pop(id(handle), None) is None:
+            return 0
+        before = self.device.num_free_blocks
+        self.device.free(list(reversed(handle.blocks)))
+        handle.blocks = []
+        return self.device.num_free_blocks - before
+
+    @property
+    def num_retained_blocks(self) -> int:
+        """Device blocks that only retained contexts hold (what releasing all of them frees)."""
+        return sum(h.num_private_blocks() for h in self._retained.values())
+
     # ---- checks --------------------------------------------------------------------------
     def check_invariants(self) -> None:
         refs = Counter(b.block_id for table in self.tables.values() for b in table)
         refs.update(b.block_id for b in self._swapping_out)
+        refs.update(b.block_id for h in self._retained.values() for b in h.blocks)
         for rid, table in self.host_tables.items():
             assert table, f"request {rid} has an empty host table"
             assert len({b.block_id for b in table}) == len(table), f"request {rid} holds a host block twice"

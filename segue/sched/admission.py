@@ -20,6 +20,7 @@ from segue.sched.output import SchedulerOutput
 from segue.sched.preemption import Room, make_room
 from segue.sched.reclaim import load_host_hits, release_waiting_kv, room_for_holder
 from segue.sched.state import SchedulerState
+from segue.sched.thrashing import fits_beside_agents, still_needed, waited_past_bound
 
 
 class AddResult(enum.Enum):
@@ -92,6 +93,9 @@ class Admission:
     watermark_blocks: int = field(init=False)
     capacity: LatencyCapacity | None = field(init=False)
     blocked: _Blocked | None = field(init=False, default=None)
+    # Thrashing avoidance (sched.agents on, non-preemptive orders): device blocks that admitted
+    # requests will still need (sched/thrashing.py); None when off.
+    committed: int | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         sched = self.sched
@@ -105,6 +109,10 @@ class Admission:
             self.decode_room = _count_resident_decodes(sched, int(self.budget * sched.policy.decode_share))
         self.watermark_blocks = int(sched.config.watermark * sched.kv.device.num_blocks)
         self.capacity = LatencyCapacity.of(sched)
+        if sched.agents is not None and not self.preemptive:
+            # Preemptive orders admit into a full pool on purpose: their head takes memory from
+            # lower-ranked holders (make_room), which a whole-prompt test would never let it reach.
+            self.committed = sum(still_needed(sched, r) for r in sched.running)
 
     @property
     def free_blocks(self) -> int:
@@ -155,7 +163,16 @@ class Admission:
         hits, num_hit = ([], 0)
         if req.num_computed_tokens == 0:
             hits, num_hit = sched.kv.get_computed_blocks(req)
+            if self.committed is not None and self.blocked is None and not sched.kv.num_device_blocks_of(req.request_id):
+                alone = not (self.scheduled or sched.running)
+                if not fits_beside_agents(sched, req, hits, self.committed, alone):
+                    # A starving head keeps the memory that frees up for itself (head-of-line)
+                    # where the order allows it; preemptive orders put it first on their own.
+                    starving = waited_past_bound(sched, req, hits, self.committed)
+                    return AddResult.NO_MEMORY if starving and not self.preemptive else AddResult.SKIPPED
             if self.blocked is None and load_host_hits(sched, req, hits, self.out):
+                if self.committed is not None:
+                    self.committed += still_needed(self.sched, req)
                 return AddResult.SWAPPING
         num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, self.budget)
         if self.decode_room > 0 and not decode:
@@ -176,10 +193,15 @@ class Admission:
             if self.preemptive and room_for_holder(sched, req, num_new, self.out) and self.allocate(req, num_new, hits):
                 return None
             return AddResult.SKIPPED
-        # What to free for it: its blocks less its cached hits. Not the watermark: discarding
-        # paused contexts to keep headroom defeats the headroom (measured: more recompute).
-        need = sched.kv.num_blocks_needed(req, num_new) - len(hits)
+        # The free blocks it takes: fresh blocks for its new tokens (num_blocks_needed counts
+        # from its computed tokens, so its hits are not in it) and the hits that sit in the free
+        # list. Not the watermark: discarding paused contexts to keep headroom defeats the
+        # headroom (measured: more recompute).
+        need = sched.kv.num_blocks_needed(req, num_new) + sum(1 for b in hits if b.ref_cnt == 0)
         freed = sched.paused.release_for_memory(need, sched.now)
+        if sched.agents is not None and not (self.scheduled or sched.running) and self.free_blocks < need:
+            # Nothing runs: retained histories are the only memory that could ever come free.
+            freed += sched.agents.release_for_memory(need - self.free_blocks, sched.now)
         self.blocked = blocked = _Blocked(req, num_new, hits, need)
         if self.preemptive and self.free_blocks < need:
             blocked.swapping = make_room(sched, req, need, self.out) is Room.IN_FLIGHT
@@ -195,6 +217,8 @@ class Admission:
 
     def _take(self, req: Request, num_new: int, num_hit: int, decode: bool = False) -> None:
         _admit(self.sched, req, num_new, num_hit, self.scheduled)
+        if self.committed is not None:
+            self.committed += still_needed(self.sched, req)
         if self.capacity is not None:
             self.capacity.add(req)
         self.budget -= num_new
@@ -230,6 +254,8 @@ def _admit(sched: SchedulerState, req: Request, num_new: int, num_hit: int,
         sched.prefix_hit_tokens += num_hit
         sched.prefix_query_tokens += req.num_prompt_tokens
     req.num_computed_tokens += num_hit
+    if sched.agents is not None:
+        sched.agents.on_admitted(req)
     sched.waiting.remove(req)
     req.status = RequestStatus.RUNNING
     sched.running.append(req)

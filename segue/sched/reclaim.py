@@ -94,6 +94,8 @@ def load_host_hits(sched: SchedulerState, req: Request, device_hits: list[KVBloc
     if budget <= 0 or free < len(host_hits):
         return False
     sched.kv.attach_host_hits(req, device_hits, host_hits)
+    if sched.agents is not None:
+        sched.agents.on_admitted(req)
     if req.num_cached_tokens < 0:
         req.num_cached_tokens = req.num_computed_tokens
         sched.prefix_hit_tokens += req.num_computed_tokens

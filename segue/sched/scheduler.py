@@ -32,6 +32,8 @@ class Scheduler(SchedulerState):
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        if self.agents is not None:
+            self.agents.on_arrival(request, self.now)
         self.waiting.append(request)
         self.policy.on_arrival(request, self.now)
 
@@ -99,6 +101,8 @@ class Scheduler(SchedulerState):
         budget = self.config.max_num_batched_tokens
         self.kv.set_clock(now)
         self.kv.release_swapped_out()
+        if self.agents is not None:
+            self.agents.expire(now)
         running_tokens = sum(r.num_computed_tokens for r in self.running)
         reserve = self.policy.reserved_blocks(now)
         # Swap-ins leave the arrival reserve and earmarked blocks free, unless nothing else could run.
@@ -110,6 +114,14 @@ class Scheduler(SchedulerState):
         # One budget for every copy of the step: the paused requests' swaps are planned first,
         # then host-tier hits, preemptive swap-outs and write-backs of evicted cached blocks
         # take what is left, in the order the step reaches them.
+        if self.agents is not None and self.paused.swapped:
+            # A resumed request whose context waits on the host is back now; a retained history
+            # is only expected back: it gives the swap-in room (else, with nothing running, the
+            # pool would sit idle until it expired).
+            head = self.paused.swapped[0].request_id
+            short = self.kv.num_host_blocks_of(head) + keep_free - self.kv.num_free_blocks
+            if short > 0:
+                self.agents.release_for_memory(short, now)
         self.kv.open_link(self.cost.swap_limit(self.last_batch_tokens) // self.kv.block_size)
         plan = self.paused.plan(now, running_tokens, len(self.running), keep_free_blocks=keep_free)
         out.blocks_to_swap_out, out.blocks_to_swap_in = plan.swap_out, plan.swap_in
@@ -133,7 +145,11 @@ class Scheduler(SchedulerState):
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
-                if self.paused.release_for_memory(self.kv.num_blocks_needed(req, num_new), now):
+                need = self.kv.num_blocks_needed(req, num_new)
+                if self.paused.release_for_memory(need, now):
+                    continue
+                # A history retained for an agent's next turn goes before a running request's.
+                if self.agents is not None and self.agents.release_for_memory(need, now):
                     continue
                 # Only requests not yet scheduled this step may give way (the current one included).
                 victim = self.policy.preemption_order(self.running[i:], now)[0]

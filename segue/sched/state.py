@@ -7,6 +7,7 @@ from segue.config import SchedulerConfig
 from segue.kv.manager import KVCacheManager
 from segue.kv.reuse import ReuseTracker
 from segue.request import Request, RequestStatus
+from segue.sched.agents import AgentTracker
 from segue.sched.cost_model import CostModel
 from segue.sched.interception import InterceptionPolicy, make_interception_policy
 from segue.sched.paused import PausedRequests
@@ -43,10 +44,14 @@ class SchedulerState:
         # Expected reuse of finished requests' blocks (prefix_eviction="reuse"); None: plain LRU.
         self.reuse = ReuseTracker() if config.prefix_eviction == "reuse" else None
         kv.keyed_reloads = self.reuse is not None
+        # Agent identity and histories retained across tool gaps (thrashing avoidance); None: off.
+        self.agents = AgentTracker(kv, self.cost) if config.agent_retention else None
 
     def free_finished(self, request: Request) -> None:
         """Free a finished request's KV; under prefix_eviction="reuse" its cached blocks are
         keyed by their expected reuse (the chain it continued, shared blocks' own history)."""
+        if self.agents is not None and self.agents.on_finish(request, self.now):
+            return
         rid = request.request_id
         n = self.kv.num_device_blocks_of(rid)
         if self.reuse is None or n == 0 or rid in self.kv.host_tables:

@@ -77,6 +77,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (default: 256, as vLLM)")
     g.add_argument("--watermark", type=float, default=SchedulerConfig.watermark,
                    help="fraction of the KV pool kept free when admitting new requests (default: 0)")
+    g.add_argument("--no-agent-retention", action="store_true",
+                   help="turn off agent-aware retention and admission (SchedulerConfig.agent_retention)")
     g.add_argument("--oracle-predictions", action="store_true",
                    help="policies see each request's true segment lengths and pause durations")
     g.add_argument("--prediction-noise", type=float, default=0.0, metavar="SIGMA",
@@ -190,7 +192,7 @@ def run_sim(args: argparse.Namespace) -> int:
                 scheduler=SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=args.max_num_seqs,
                                           watermark=args.watermark,
                                           policy=args.policy, policy_options=dict(args.policy_option),
-                                          interception_policy=name),
+                                          interception_policy=name, agent_retention=not args.no_agent_retention),
                 predictor=PredictorConfig(oracle=args.oracle_predictions, noise_sigma=args.prediction_noise))
             engine = make_sim_engine(cost, kv_tokens, config, max_model_len=args.max_model_len)
             res = replay(engine, reqs, arrivals, engine.clock.advance_to, seed=args.seed, progress=progress,

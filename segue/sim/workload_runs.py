@@ -66,7 +66,8 @@ def _engine(args: argparse.Namespace, interception: str | None = None, prefix_ca
                                   max_num_seqs=args.max_num_seqs, watermark=args.watermark, policy=args.policy,
                                   policy_options=dict(args.policy_option), latency_capacity_tokens=latency_capacity,
                                   interception_policy=interception or "min-waste",
-                                  prefix_eviction=prefix_eviction))
+                                  prefix_eviction=prefix_eviction,
+                                  agent_retention=not args.no_agent_retention))
     return make_sim_engine(cost, kv, config, max_model_len=args.max_model_len)
 
 

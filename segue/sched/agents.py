@@ -1,0 +1,211 @@
+"""Agents as the scheduler sees them, for every client: identity, the tool gap, and the history
+kept on the device across it (issue 25; Continuum's pinned KV, ThunderAgent's program view).
+
+A turn belongs to an agent when its prompt extends the token chain of a request that finished
+earlier (a plain OpenAI client re-sends the whole history), found through the prefix cache's
+block hashes. When a turn of a likely agent finishes, its cached context is retained (held,
+not evictable) until the agent is expected back: the learnt return gap. Retained contexts are
+what thrashing avoidance protects: admission lets a newcomer use only the memory they leave
+(sched/admission.py), and under pressure the one expected back last, per recompute second it
+would save, is released first. Pure Python.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from segue.kv.manager import KVCacheManager
+from segue.kv.retained import RetainedContext
+from segue.request import Request, RequestStatus
+from segue.sched.cost_model import CostModel
+
+
+@dataclass
+class AgentState:
+    agent_id: int
+    # When its first turn arrived: every later turn queues by it (program-level FCFS).
+    first_arrival: float
+    turns: int = 1
+    last_finish: float = -math.inf
+    # Its history while it is in a tool call; None when nothing is retained.
+    context: RetainedContext | None = None
+    # When it is expected back and when its context stops being retained.
+    expected_back: float = math.inf
+    retain_until: float = -math.inf
+    # A finished turn whose outcome (came back or not) is not known yet.
+    awaiting_return: bool = False
+
+
+class ReturnGaps:
+    """The gaps after which agents came back (tool time plus client time), recent ones only.
+    Before any agent came back, `prior_s` stands in (replaced by the first observations)."""
+
+    def __init__(self, prior_s: float, window: int = 256) -> None:
+        self.prior_s = prior_s
+        self._gaps: deque[float] = deque(maxlen=window)
+        # Outcomes of retained contexts: came back in time, or let go unused.
+        self.returned = 0
+        self.missed = 0
+
+    def observe(self, gap_s: float) -> None:
+        self._gaps.append(max(0.0, gap_s))
+
+    def mean(self) -> float:
+        return sum(self._gaps) / len(self._gaps) if self._gaps else self.prior_s
+
+    def quantile(self, q: float) -> float:
+        if not self._gaps:
+            return self.prior_s
+        ordered = sorted(self._gaps)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def p_return(self) -> float:
+        # Laplace-smoothed: with no evidence a finished turn is as likely to return as not.
+        return (self.returned + 1) / (self.returned + self.missed + 2)
+
+
+class AgentTracker:
+    """Per-agent state for the scheduler; owns the retained contexts (through the KV manager)."""
+
+    def __init__(self, kv: KVCacheManager, cost: CostModel, prior_gap_s: float = 10.0,
+                 max_agents: int = 4096) -> None:
+        self.kv = kv
+        self.cost = cost
+        self.gaps = ReturnGaps(prior_gap_s)
+        self.max_agents = max_agents
+        self._agents: OrderedDict[int, AgentState] = OrderedDict()
+        self._next_id = 0
+        # Chain-end block hash of a finished turn -> its agent: where the next turn's prompt
+        # meets the history (the end of the prompt, and of the computed context).
+        self._chain_ends: dict[int, int] = {}
+        self._of_request: dict[str, AgentState] = {}
+        # Agents with a retained context or an open outcome: what expire() looks at each step.
+        self._watched: set[int] = set()
+
+    # ---- identity ------------------------------------------------------------------------
+    def on_arrival(self, request: Request, now: float) -> AgentState:
+        """Find the agent a new request continues (its prompt extends a finished turn's chain),
+        or start a new one. Call before the ordering policy sees the request."""
+        agent = None
+        for h in reversed(self.kv.full_block_hashes(request)):
+            aid = self._chain_ends.get(h)
+            if aid is not None and aid in self._agents:
+                agent = self._agents[aid]
+                break
+        if agent is None:
+            agent = AgentState(self._next_id, request.sched_arrival_time, turns=0)
+            self._next_id += 1
+        else:
+            # A later turn queues by its agent's arrival, as a session's resumed request keeps its
+            # own: an agent under way goes before agents that started after it, so the pool serves
+            # agents through instead of starting new ones whose histories push theirs out
+            # (simulator, pressure preset, seeds 1-3: mean agent time 16.6/9.0/20.4 s with each
+            # turn's own arrival, 15.9/8.9/17.8 s with the agent's; BENCHMARKS.md).
+            request.sched_arrival_time = min(request.sched_arrival_time, agent.first_arrival)
+        if agent.awaiting_return:
+            self.gaps.observe(now - agent.last_finish)
+            self.gaps.returned += 1
+            agent.awaiting_return = False
+        agent.turns += 1
+        self._agents[agent.agent_id] = agent
+        self._agents.move_to_end(agent.agent_id)
+        self._of_request[request.request_id] = agent
+        self._forget_oldest()
+        return agent
+
+    def agent_of(self, request: Request) -> AgentState | None:
+        return self._of_request.get(request.request_id)
+
+    def is_resident(self, request: Request) -> bool:
+        """Whether a request continues an agent whose history is still retained on the device."""
+        agent = self._of_request.get(request.request_id)
+        return agent is not None and agent.context is not None
+
+    # ---- a turn starts and ends ----------------------------------------------------------
+    def on_admitted(self, request: Request) -> None:
+        """The turn holds what it hit of its history now; the handle lets the rest go."""
+        agent = self._of_request.get(request.request_id)
+        if agent is not None and agent.context is not None:
+            self.kv.release_retained(agent.context)
+            agent.context = None
+
+    def on_finish(self, request: Request, now: float) -> bool:
+        """A request finished. True when its context was retained for its agent's next turn
+        (the rest of its KV is freed); False: the caller frees its KV."""
+        agent = self._of_request.pop(request.request_id, None)
+        if agent is None or request.status is RequestStatus.FINISHED_ABORTED:
+            return False
+        if agent.context is not None:  # a turn that never ran (say, aborted while waiting)
+            self._let_go(agent)
+        hashes = self.kv.full_block_hashes(request)
+        computed = request.num_computed_tokens // self.kv.block_size
+        for end in {request.num_prompt_tokens // self.kv.block_size, computed}:
+            if 0 < end <= len(hashes):
+                self._chain_ends[hashes[end - 1]] = agent.agent_id
+        agent.last_finish = now
+        agent.awaiting_return = True
+        self._watched.add(agent.agent_id)
+        if self.gaps.p_return() < 0.5 or not self.kv.num_device_blocks_of(request.request_id):
+            return False
+        agent.context = self.kv.retain(request)
+        agent.expected_back = now + self.gaps.mean()
+        agent.retain_until = now + self.gaps.quantile(0.9)
+        return True
+
+    # ---- releasing retained contexts -----------------------------------------------------
+    def expire(self, now: float) -> None:
+        """Let go of contexts whose agent did not come back within the usual gap (p90), and
+        count a turn as not continued once twice that has passed: the evidence that decides
+        whether finished turns are retained at all (a one-off chat request is not)."""
+        horizon = 2 * self.gaps.quantile(0.9)
+        for aid in list(self._watched):
+            agent = self._agents.get(aid)
+            if agent is None:
+                self._watched.discard(aid)
+                continue
+            if agent.context is not None and now >= agent.retain_until:
+                self._let_go(agent)
+            if agent.awaiting_return and now >= agent.last_finish + horizon:
+                agent.awaiting_return = False
+                self.gaps.missed += 1
+            if agent.context is None and not agent.awaiting_return:
+                self._watched.discard(aid)
+
+    def release_for_memory(self, blocks_needed: int, now: float, keep: AgentState | None = None) -> int:
+        """Release retained contexts until `blocks_needed` device blocks are freed, the least
+        valuable first: memory-time held (private blocks x time until expected back; an overdue
+        agent is expected as late again as it is overdue) per second of recompute its loss
+        costs. `keep`'s own context stays. Returns blocks freed."""
+        freed = 0
+        for agent in sorted(self._holders(keep), key=lambda a: self._hold_cost(a, now), reverse=True):
+            if freed >= blocks_needed:
+                break
+            freed += self._let_go(agent)
+        return freed
+
+    def releasable_blocks(self, keep: AgentState | None = None) -> int:
+        return sum(a.context.num_private_blocks() for a in self._holders(keep))
+
+    def _holders(self, keep: AgentState | None) -> list[AgentState]:
+        return [a for a in self._agents.values() if a.context is not None and a is not keep]
+
+    def _hold_cost(self, agent: AgentState, now: float) -> float:
+        blocks = agent.context.num_private_blocks()
+        due = agent.expected_back
+        wait = due - now if due >= now else now - due
+        recompute_s = self.cost.t_fwd_extra(agent.context.num_blocks * self.kv.block_size)
+        return blocks * max(wait, 1e-3) / max(recompute_s, 1e-9)
+
+    def _let_go(self, agent: AgentState) -> int:
+        freed = self.kv.release_retained(agent.context)
+        agent.context = None
+        return freed
+
+    def _forget_oldest(self) -> None:
+        while len(self._agents) > self.max_agents:
+            _, agent = self._agents.popitem(last=False)
+            if agent.context is not None:
+                self._let_go(agent)
+        if len(self._chain_ends) > 4 * self.max_agents:
+            self._chain_ends = {h: a for h, a in self._chain_ends.items() if a in self._agents}

@@ -1,0 +1,71 @@
+"""Thrashing avoidance for admission (issue 25): a request without KV starts only when its whole
+prompt and expected output fit beside what the running requests still need and the histories
+retained for agents expected back (sched/agents.py).
+
+Started in a pool it cannot finish in, a prompt's prefill grows into a preemption (a running
+request recomputes); admitted into retained histories, it evicts what their next turns must then
+recompute. On the pressure preset (32 agents whose histories add up to ~3x an 8,192-token pool)
+the first cost was 139 preemptions and the second most of the recomputed half of all prompt
+tokens (BENCHMARKS.md). A turn whose own history is retained, and a request that has waited past
+its starvation bound, may release others' histories, the least valuable first. Pure Python.
+"""
+from __future__ import annotations
+
+import math
+
+from segue.kv.block_pool import KVBlock
+from segue.request import Request
+from segue.sched.state import SchedulerState
+
+
+def expected_output(req: Request, block_size: int) -> int:
+    """Tokens a request is expected to generate from now on: the predicted length (segue/predict)
+    within max_tokens; without a prediction, one block of growth, not max_tokens (a chat request
+    that names none may generate 1,024 tokens but rarely does: reserving them all would admit a
+    few requests at a time; a wrong guess costs a preemption, as without this reservation)."""
+    left = max(0, req.sampling_params.max_tokens - req.num_generated_tokens)
+    if req.predicted_output_tokens is None:
+        return min(left, block_size)
+    return min(left, math.ceil(req.predicted_output_tokens))
+
+
+def still_needed(sched: SchedulerState, req: Request) -> int:
+    """Device blocks an admitted request will still take: the rest of its prompt and its output."""
+    kv = sched.kv
+    return kv.num_blocks_needed(req, req.num_tokens - req.num_computed_tokens + expected_output(req, kv.block_size))
+
+
+def _shortfall(sched: SchedulerState, req: Request, hits: list[KVBlock], committed: int) -> int:
+    """Blocks missing for the whole request (hits attached), beside `committed` ones."""
+    kv = sched.kv
+    need = kv.num_blocks_needed(req, req.num_tokens + expected_output(req, kv.block_size)) - len(hits)
+    room = kv.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0) - committed
+    return need - room
+
+
+def waited_past_bound(sched: SchedulerState, req: Request, hits: list[KVBlock], committed: int) -> bool:
+    """The starvation bound: a newcomer waits for retained histories no longer than recomputing
+    what it would take from them costs (the price of taking it), nor than agents usually stay
+    away (by then most are back or gone)."""
+    agents = sched.agents
+    assert agents is not None
+    tokens = max(0, _shortfall(sched, req, hits, committed)) * sched.kv.block_size
+    bound = min(agents.gaps.quantile(0.9), sched.cost.t_fwd_extra(tokens))
+    return sched.now - req.arrival_time >= bound
+
+
+def fits_beside_agents(sched: SchedulerState, req: Request, hits: list[KVBlock], committed: int,
+                       alone: bool) -> bool:
+    """Whether a request without KV may start now (its cached `hits` attached). Retained
+    histories are released for it when its own history is retained or it is past its bound. A
+    request `alone` (nothing else runs or was admitted this step) always may: nothing else would
+    ever free memory for it."""
+    agents = sched.agents
+    assert agents is not None
+    short = _shortfall(sched, req, hits, committed)
+    if alone or short <= 0:
+        return True
+    if agents.is_resident(req) or waited_past_bound(sched, req, hits, committed):
+        agents.release_for_memory(short, sched.now, keep=agents.agent_of(req))
+        return _shortfall(sched, req, hits, committed) <= 0
+    return False
