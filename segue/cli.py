@@ -44,8 +44,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from segue.engine import LLMEngine
     from segue import profiler
+    from segue.engine import LLMEngine
     from segue.sched.cost_model import default_profile_path
 
     config = engine_config_from_args(args)

@@ -34,7 +34,7 @@ class LLM:
             prompts = [prompts]
         params = params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.engine.add_request(None, p, sp).request_id for p, sp in zip(prompts, params_list)]
+        ids = [self.engine.add_request(None, p, sp).request_id for p, sp in zip(prompts, params_list, strict=True)]
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
             while self.engine.has_unfinished_requests():

@@ -103,7 +103,8 @@ async def _call(engine: Any, kind: str, prompt: list[int], max_tokens: int, rid:
         hints.pop("task_group", None)  # one engine: nothing to place
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start, first, replica, last = time.monotonic(), None, None, None
-    async for last in engine.generate(prompt, params, rid, **hints):
+    async for out in engine.generate(prompt, params, rid, **hints):
+        last = out
         if first is None:
             first = time.monotonic()
             replica = engine.owner_of(rid) if hasattr(engine, "owner_of") else 0
@@ -174,8 +175,8 @@ def render_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from segue.engine_args import engine_config_from_args
     from segue.cluster import build_engine, make_router
+    from segue.engine_args import engine_config_from_args
 
     config = engine_config_from_args(args)
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     async def measure(engine: Any, names: list[str], engines: int) -> None:
         vocab = engine.engine.vocab_size if hasattr(engine, "router") else engine.engine.model_config.vocab_size
         await _warm_up(engine, vocab, engines)
-        for i, name in enumerate(names):
+        for name in names:
             if hasattr(engine, "router"):
                 engine.router = make_router(name, engines, **({"block_size": config.cache.block_size}
                                                               if name == "affinity" else {}))

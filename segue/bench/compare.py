@@ -110,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
 
         latency_vs_rate(rows, out / "latency_vs_rate.png", spec.describe())
         latency_cdfs(rows, out / "latency_cdf.png", spec.describe())
-    print(f"\nwrote {out}/compare.json, compare.md" + ("" if args.no_plots else ", latency_vs_rate.png, latency_cdf.png"),
-          file=sys.stderr)
+    plots = "" if args.no_plots else ", latency_vs_rate.png, latency_cdf.png"
+    print(f"\nwrote {out}/compare.json, compare.md{plots}", file=sys.stderr)
     return 0
 
 

@@ -12,6 +12,7 @@ import time
 
 from segue.bench import Benchmark
 
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=256)
@@ -26,8 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from segue.engine_args import engine_config_from_args
     from segue.engine import LLMEngine
+    from segue.engine_args import engine_config_from_args
     from segue.sampling_params import SamplingParams
 
     engine = LLMEngine(engine_config_from_args(args))

@@ -90,8 +90,8 @@ def measure_compile(engine: Any) -> dict[str, Any]:
 
 
 def measure_tpot(engine: Any, prompt: list[int], batch: int, output_len: int, spec: Any) -> float:
-    from segue.sim.metrics import RequestRecord, tpot
     from segue.sampling_params import SamplingParams
+    from segue.sim.metrics import RequestRecord, tpot
 
     for i in range(batch):
         params = SamplingParams(max_tokens=output_len, temperature=0.7, seed=i, ignore_eos=True, structured=spec)
@@ -186,8 +186,8 @@ def run_validity(engine: Any, renderer: Any, args: argparse.Namespace) -> dict[s
 def run(args: argparse.Namespace) -> int:
     import platform
 
-    from segue.engine_args import engine_config_from_args
     from segue.engine import LLMEngine
+    from segue.engine_args import engine_config_from_args
     from segue.server.templating import ChatRenderer
 
     engine = LLMEngine(engine_config_from_args(args))

@@ -223,8 +223,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from segue.engine_args import engine_config_from_args
     from segue.engine import LLMEngine
+    from segue.engine_args import engine_config_from_args
 
     n, p_len, o_len = args.num_requests, args.prompt_len, args.output_len
     if min(n, p_len, o_len, args.hf_batch_size) < 1:

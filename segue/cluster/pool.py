@@ -27,7 +27,7 @@ from segue.async_engine import EngineDeadError, remember_early
 from segue.cluster.front import ModelFront
 from segue.cluster.merge import merge_results
 from segue.cluster.replica import EngineReplica, ReplicaOutput
-from segue.cluster.router import RouteRequest, Router
+from segue.cluster.router import Router, RouteRequest
 from segue.outputs import RequestOutput
 from segue.sampling_params import InvalidRequestError, SamplingParams
 
@@ -148,7 +148,7 @@ class EnginePool:
             return
         self._closing = True
         results = await asyncio.gather(*(r.shutdown(drain_timeout) for r in self.replicas), return_exceptions=True)
-        for replica, result in zip(self.replicas, results):
+        for replica, result in zip(self.replicas, results, strict=True):
             if isinstance(result, BaseException):
                 logger.warning("engine replica %d did not shut down cleanly: %r", replica.index, result)
         if self._on_shutdown is not None:

@@ -155,7 +155,7 @@ def _sample_rows(
             torch.tensor([ps_of[j] for j in filt], device=device, dtype=torch.float32),
         )
         cand_probs = cand_vals.softmax(dim=-1)
-        cand_pos = {j: i for i, (j, ok) in enumerate(zip(filt, exact.tolist())) if ok}
+        cand_pos = {j: i for i, (j, ok) in enumerate(zip(filt, exact.tolist(), strict=True)) if ok}
 
     full = [j for j in range(len(rows)) if j not in cand_pos]
     full_pos = {j: i for i, j in enumerate(full)}
@@ -242,6 +242,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     results = [SampleResult(t, None, None) for t in tokens]
     for j, i in enumerate(want_lp):
         n = params[i].logprobs or 0
-        top = list(zip(top_ids[j][:n], top_lps[j][:n])) if n > 0 else []
+        top = list(zip(top_ids[j][:n], top_lps[j][:n], strict=True)) if n > 0 else []
         results[i] = SampleResult(tokens[i], chosen_lp[j], top)
     return results

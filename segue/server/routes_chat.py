@@ -177,7 +177,8 @@ async def _complete(ctx: ServingContext, request: Request, body: ChatCompletionR
                 session_id = book.on_end(ev, "".join(out.content)) or session_id
 
     try:
-        done = await unless_disconnected(request, gather_all([collect(t, c) for t, c in zip(book.turns, choices)]))
+        collecting = [collect(t, c) for t, c in zip(book.turns, choices, strict=True)]
+        done = await unless_disconnected(request, gather_all(collecting))
     finally:
         await book.close()
     if done is None or any(c.end is None for c in choices):

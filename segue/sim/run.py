@@ -153,10 +153,10 @@ def plot_latency_vs_rate(rows: list[dict[str, Any]], path: str, title: str) -> N
 
 
 def run_sim(args: argparse.Namespace) -> int:
-    from segue.sim.replay import render_markdown, replay
     from segue.config import CacheConfig, EngineConfig, PredictorConfig, SchedulerConfig
-    from segue.sim.engine import make_sim_engine
     from segue.sched.cost_model import PRESETS, CostModel
+    from segue.sim.engine import make_sim_engine
+    from segue.sim.replay import render_markdown, replay
 
     if getattr(args, "workload", "infercept") != "infercept":
         from segue.sim.workload_runs import run_sim_workload
