@@ -109,6 +109,7 @@ async def _call(engine: Any, kind: str, prompt: list[int], max_tokens: int, rid:
             first = time.monotonic()
             replica = engine.owner_of(rid) if hasattr(engine, "owner_of") else 0
     end = time.monotonic()
+    assert last is not None  # a request always ends with an output
     result.calls.append(Call(kind, end - start, (first or end) - start, len(prompt), last.num_cached_tokens, replica))
     return list(last.outputs[0].token_ids)
 

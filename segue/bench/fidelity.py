@@ -18,7 +18,7 @@ import copy
 import json
 import os
 import tempfile
-from typing import Any
+from typing import Any, cast
 
 from segue.bench import Benchmark
 
@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from segue.engine import LLMEngine
     from segue.engine_args import engine_config_from_args
     from segue.executor.loading import load_model
+    from segue.executor.sim_executor import SimClock, SimExecutor
     from segue.sched.cost_model import CostModel, mean_cost_model
     from segue.sim.engine import make_sim_engine
     from segue.sim.replay import real_clock_wait, replay
@@ -160,12 +161,13 @@ def run(args: argparse.Namespace) -> int:
             for name, model in models:
                 sconf = copy.deepcopy(config)
                 sconf.scheduler.profile_path = None
+                clock = SimClock()
                 sim_engine = make_sim_engine(model, kv_tokens, sconf, max_model_len=probe.max_model_len,
-                                             swap_space_tokens=swap_tokens)
-                res = replay(sim_engine, requests, arrivals, sim_engine.clock.advance_to, seed=args.seed)
+                                             swap_space_tokens=swap_tokens, clock=clock)
+                res = replay(sim_engine, requests, arrivals, clock.advance_to, seed=args.seed)
                 m = _metrics(res)
                 run[name] = m
-                run[f"{name}_busy_s"] = sim_engine.executor.busy_seconds
+                run[f"{name}_busy_s"] = cast(SimExecutor, sim_engine.executor).busy_seconds
                 run[f"{name}_error"] = {k: _error(m[k], run["real"][k])
                                         for k in ("output_throughput", "normalized_latency_mean", "ttft_mean")}
             report["runs"].append(run)

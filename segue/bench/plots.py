@@ -29,8 +29,8 @@ def latency_vs_rate(rows: Sequence[dict[str, Any]], path: str | Path, title: str
     for ax, stat in zip(axes, ("mean", "p99"), strict=True):
         ys_all = []
         for c in configs:
-            pts = sorted((r["rate"], metric(r, "normalized_latency", stat)) for r in rows if r["config"] == c)
-            pts = [(x, y) for x, y in pts if y is not None]
+            measured = sorted((r["rate"], metric(r, "normalized_latency", stat)) for r in rows if r["config"] == c)
+            pts = [(x, y) for x, y in measured if y is not None]
             ys_all += [y for _, y in pts]
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=c)
         if ys_all and min(ys_all) > 0 and max(ys_all) / min(ys_all) > 20:

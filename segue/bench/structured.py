@@ -22,13 +22,13 @@ from typing import Any
 
 from segue.bench import Benchmark
 
-WEATHER = {"type": "function", "function": {
+WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the weather forecast for a city.",
     "parameters": {"type": "object", "properties": {
         "city": {"type": "string", "description": "the city name"},
         "days": {"type": "integer", "minimum": 1, "maximum": 7, "description": "forecast length in days"}},
         "required": ["city", "days"]}}}
-SEARCH = {"type": "function", "function": {
+SEARCH: dict[str, Any] = {"type": "function", "function": {
     "name": "web_search", "description": "Search the web.",
     "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
 TOOLS = [WEATHER, SEARCH]
@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _drain(engine: Any) -> list[Any]:
-    done = []
+    done: list[Any] = []
     while engine.has_unfinished_requests():
         done.extend(o for o in engine.step() if o.finished)
     return done

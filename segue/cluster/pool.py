@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncGenerator, Callable, Sequence
 
 from segue.async_engine import EngineDeadError, remember_early
 from segue.cluster.front import ModelFront
@@ -56,7 +56,7 @@ class EnginePool:
 
     # ---- the AsyncLLMEngine interface ----------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       **hints: Any) -> AsyncIterator[RequestOutput]:
+                       **hints: Any) -> AsyncGenerator[RequestOutput, None]:
         """hints: the engine's (priority, program_id, tool_parser, cache_salt, expected_tool_s) plus
         task_group, which only the router reads."""
         self._check_alive()
@@ -82,7 +82,7 @@ class EnginePool:
             yield out
 
     async def continue_request(self, request_id: str, tokens: list[int],
-                               params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+                               params: SamplingParams | None = None) -> AsyncGenerator[RequestOutput, None]:
         self._check_alive()
         replica = self._replica_of(request_id)
         if request_id in self._streaming:
@@ -160,11 +160,11 @@ class EnginePool:
 
     # ---- internals -----------------------------------------------------------------------
     async def _stream(self, rid: str, replica: EngineReplica,
-                      source: AsyncIterator[ReplicaOutput]) -> AsyncIterator[RequestOutput]:
+                      source: AsyncGenerator[ReplicaOutput, None]) -> AsyncGenerator[RequestOutput, None]:
         self._streaming.add(rid)
         finished = False
         try:
-            async with contextlib.aclosing(source) as outputs:  # type: ignore[type-var]
+            async with contextlib.aclosing(source) as outputs:
                 async for out, load in outputs:
                     self.router.report_load(replica.index, load)
                     self.router.confirm(rid)

@@ -20,7 +20,7 @@ import math
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -143,7 +143,7 @@ def _time_interleaved(candidates: dict[str, list[Callable[[], object]]], reps: i
     return {name: sorted(ts)[len(ts) // 2] * 1000 for name, ts in times.items()}
 
 
-def _call_each(fs: list[Callable[[Any], object]], xs: list[Any]) -> list[object]:
+def _call_each(fs: Sequence[Callable[[Any], object]], xs: Sequence[Any]) -> list[object]:
     return [f(x) for f, x in zip(fs, xs, strict=True)]
 
 

@@ -177,6 +177,7 @@ def _sample_rows(
             pos = [cand_pos[j] for j in js]
             p = select(cand_probs, pos)
             return select(cand_ids, pos).gather(1, _race(p, _exp_noise(p, gen)).unsqueeze(1)).squeeze(1)
+        assert probs is not None  # rows without candidates are the `full` ones
         p = select(probs, [full_pos[j] for j in js])
         return _race(p, _exp_noise(p, gen))
 
@@ -186,9 +187,10 @@ def _sample_rows(
         if js:
             out.index_copy_(0, torch.tensor(js, device=device), draw(js))
     for j, r in enumerate(rows):
-        if params[r].seed is not None:
+        seed = params[r].seed
+        if seed is not None:
             gen = torch.Generator(device=device)
-            gen.manual_seed(_mix_seed(params[r].seed, positions[r]))
+            gen.manual_seed(_mix_seed(seed, positions[r]))
             out[j : j + 1] = draw([j], gen)
     return out
 

@@ -135,11 +135,10 @@ def plot_latency_vs_rate(rows: list[dict[str, Any]], path: str, title: str) -> N
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for policy in dict.fromkeys(r["policy"] for r in rows):
-        pts = sorted((r["rate"], row_metrics(r)["norm_mean"]) for r in rows if r["policy"] == policy)
-        pts = [(x, y) for x, y in pts if y is not None]
+        measured = sorted((r["rate"], row_metrics(r)["norm_mean"]) for r in rows if r["policy"] == policy)
+        pts = [(x, y) for x, y in measured if y is not None]
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=policy)
-    ys = [row_metrics(r)["norm_mean"] for r in rows]
-    ys = [y for y in ys if y]
+    ys = [y for y in (row_metrics(r)["norm_mean"] for r in rows) if y]
     if ys and max(ys) / min(ys) > 20:
         ax.set_yscale("log")  # one collapsing policy would otherwise flatten the rest
     ax.set_xlabel("arrival rate (req/s)")
@@ -154,6 +153,7 @@ def plot_latency_vs_rate(rows: list[dict[str, Any]], path: str, title: str) -> N
 
 def run_sim(args: argparse.Namespace) -> int:
     from segue.config import CacheConfig, EngineConfig, PredictorConfig, SchedulerConfig
+    from segue.executor.sim_executor import SimClock
     from segue.sched.cost_model import PRESETS, CostModel
     from segue.sim.engine import make_sim_engine
     from segue.sim.replay import render_markdown, replay
@@ -192,8 +192,9 @@ def run_sim(args: argparse.Namespace) -> int:
                                           policy=args.policy, policy_options=dict(args.policy_option),
                                           interception_policy=name),
                 predictor=PredictorConfig(oracle=args.oracle_predictions, noise_sigma=args.prediction_noise))
-            engine = make_sim_engine(cost, kv_tokens, config, max_model_len=args.max_model_len)
-            res = replay(engine, reqs, arrivals, engine.clock.advance_to, seed=args.seed, progress=progress,
+            clock = SimClock()
+            engine = make_sim_engine(cost, kv_tokens, config, max_model_len=args.max_model_len, clock=clock)
+            res = replay(engine, reqs, arrivals, clock.advance_to, seed=args.seed, progress=progress,
                          desc=f"{name} @ {rate:g} req/s")
             rows.append({"policy": name, "rate": rate, **res.to_dict()})
             # The table comes at the end; a long sweep leaves each row in the log as it finishes.

@@ -82,7 +82,7 @@ _MAX_SET_ENUM = 6
 
 def _enum_set(schema: dict[str, Any], values: list[Any]) -> dict[str, Any]:
     lo, hi = schema.get("minItems", 0), min(schema.get("maxItems", len(values)), len(values))
-    subsets = [{"maxItems": 0}] if lo == 0 else []
+    subsets: list[dict[str, Any]] = [{"maxItems": 0}] if lo == 0 else []
     for n in range(max(lo, 1), hi + 1):
         subsets += [{"prefixItems": [{"const": v} for v in combo], "items": False, "minItems": n}
                     for combo in itertools.combinations(values, n)]
