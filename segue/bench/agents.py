@@ -93,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="url targets: do not send ignore_eos (servers that reject it; turns may end early)")
     add_agent_args(p)
     add_sim_target_args(p)
-    g.add_argument("--output-json", default=None, metavar="PATH")
+    g.add_argument("--output-json", default=None, metavar="PATH", help="also write the results here as JSON")
     g.add_argument("--deadline-s", type=float, default=None, help="stop an engine/sim run after this long")
 
 

@@ -29,8 +29,8 @@ from segue.bench import Benchmark
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--engines", type=int, default=2, help="replicas for the multi-engine setups (default: 2)")
-    g.add_argument("--chat-sessions", type=int, default=4)
-    g.add_argument("--chat-turns", type=int, default=3)
+    g.add_argument("--chat-sessions", type=int, default=4, help="concurrent multi-turn chats (default: 4)")
+    g.add_argument("--chat-turns", type=int, default=3, help="turns per chat (default: 3)")
     g.add_argument("--system-len", type=int, default=160, help="chat system prompt tokens (default: 160)")
     g.add_argument("--user-len", type=int, default=24, help="tokens per user message (default: 24)")
     g.add_argument("--documents", type=int, default=2, help="map-reduce documents (default: 2)")
@@ -40,8 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--setups", default="single,round_robin,affinity",
                    help="comma list of single, round_robin, affinity (default: all three)")
     g.add_argument("--ray-cpus", type=int, default=None, help="CPUs given to Ray (default: all)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--output-json", default=None, metavar="PATH")
+    g.add_argument("--seed", type=int, default=0, help="seeds the prompts, one seed per setup from it (default: 0)")
+    g.add_argument("--output-json", default=None, metavar="PATH", help="also write the results here as JSON")
 
 
 @dataclass

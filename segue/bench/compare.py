@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also report each configuration's max rate with mean normalized latency ≤ this (s/token)")
     o.add_argument("--deadline-s", type=float, default=None,
                    help="stop a run this many seconds after it starts (unfinished requests are reported)")
-    o.add_argument("--no-plots", action="store_true")
+    o.add_argument("--no-plots", action="store_true", help="write compare.json and compare.md only")
     o.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 

@@ -35,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and the drift between the two profiles is reported")
     p.add_argument("--tolerance", type=float, default=0.10, help="relative error called agreement (default 0.10)")
     p.add_argument("--deadline-s", type=float, default=None, help="stop the real run after this many seconds")
-    p.add_argument("--output-json", default=None, metavar="PATH")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--output-json", default=None, metavar="PATH", help="also write the results here as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
 DRIFT_TOKENS = (1, 16, 128, 512)

@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shared document tokens, in the shared-prefix and coder-reviewer parts (default: 768)")
     g.add_argument("--rounds", type=int, default=3, help="coder/reviewer rounds, two calls each (default: 3)")
     g.add_argument("--skip", default="", help=f"comma separated parts to skip: {', '.join(PARTS)}")
-    g.add_argument("--output-json", default=None, metavar="PATH")
+    g.add_argument("--output-json", default=None, metavar="PATH", help="also write the results here as JSON")
 
 
 class ForwardTimer:

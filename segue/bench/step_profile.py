@@ -15,10 +15,10 @@ from segue.bench import Benchmark
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-requests", type=int, default=64, help="requests decoding together: the batch (default: 64)")
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per request: the context (default: 256)")
+    p.add_argument("--steps", type=int, default=8, help="decode steps profiled (default: 8)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the prompts (default: 0)")
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature (default: what a client that sends none gets, the "
                         "model's recommended settings; 0 = greedy)")

@@ -53,8 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-sizes", default="1,32", help="batch sizes of the TPOT run (default: 1,32)")
     g.add_argument("--output-len", type=int, default=48, help="tokens per request in the TPOT run (default: 48)")
     g.add_argument("--repeats", type=int, default=2, help="TPOT repeats per configuration (default: 2)")
-    g.add_argument("--skip-tpot", action="store_true")
-    g.add_argument("--skip-validity", action="store_true")
+    g.add_argument("--skip-tpot", action="store_true", help="skip the time-per-token runs")
+    g.add_argument("--skip-validity", action="store_true", help="skip the output-validity runs")
     g.add_argument("--output-json", default=None, metavar="PATH", help="write all results here")
 
 

@@ -48,7 +48,8 @@ def add_workload_args(p: argparse.ArgumentParser, num_requests_default: int | No
                    help="comma list of arrival rates in req/s (default: sim 1,2,3,4,5; bench intercept 1)")
     g.add_argument("--num-requests", type=int, default=num_requests_default,
                    help="requests per run, drawn from the trace with replacement")
-    g.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
+    g.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson",
+                   help="inter-arrival distribution (default: poisson)")
     g.add_argument("--cv", type=float, default=1.0, help="gamma arrivals' coefficient of variation")
     g.add_argument("--kinds", default=None, help="only these trace kinds (comma list of math, qa, ve, "
                    "chatbot, tts, image)")
@@ -57,7 +58,7 @@ def add_workload_args(p: argparse.ArgumentParser, num_requests_default: int | No
     g.add_argument("--seed", type=int, default=0, help="seeds request sampling, arrivals and token ids")
     g.add_argument("--latency-slo", type=float, default=0.5,
                    help="mean normalized latency (s/token) a sustainable rate must meet (default: 0.5)")
-    g.add_argument("--output-json", default=None, metavar="PATH")
+    g.add_argument("--output-json", default=None, metavar="PATH", help="also write the results here as JSON")
     g.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
@@ -71,7 +72,7 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="memory per GPU behind the preset's default KV pool (default: 80; InferCept's p4d: 40)")
     g.add_argument("--swap-space-tokens", type=int, default=None,
                    help="host KV pool in tokens (default: as large as the device pool)")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: 16)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default: the preset's saturation point)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (default: 256, as vLLM)")
@@ -86,7 +87,7 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default="fcfs", help="ordering policy: fcfs, mlfq, ... (default: fcfs)")
     g.add_argument("--policy-option", type=_policy_option, action="append", default=[], metavar="KEY=VALUE",
                    help="an ordering-policy option (repeatable; VALUE is JSON, e.g. starvation_limit_s=2.0)")
-    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached KV of shared prompt prefixes")
     add_workload_args(p, None)
     p.add_argument("--duration-s", type=float, default=600.0,
                    help="trace window: rate × duration requests per rate, unless --num-requests (default: 600)")
