@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup serve test test-fast bench gpu-check soak clean
+.PHONY: setup serve test test-fast lint bench gpu-check soak clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+lint: setup
+	$(PY) -m ruff check segue tests
+	$(PY) -m mypy segue
 
 # Reliability soak against a live server on loopback (the short form runs in `make test`).
 soak: setup

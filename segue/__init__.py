@@ -9,7 +9,7 @@ import os
 # AVX512-BF16 EPYC, 2 cores). An operator's own setting wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-from segue.sampling_params import SamplingParams  # noqa: E402
+from segue.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from typing import AsyncIterator, Callable
+from typing import AsyncGenerator, Callable
 
 from segue.config import EngineConfig
 from segue.engine import LLMEngine
@@ -79,7 +79,7 @@ class AsyncLLMEngine:
 
     # ---- public API ----------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None, **hints) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, **hints) -> AsyncGenerator[RequestOutput, None]:
         """Yields the cumulative output after every new token; the last one has finished=True.
         Leaving the iterator early (client disconnect, cancellation) aborts the request, unless
         it was detach()ed. hints: priority, program_id, tool_parser (see LLMEngine.make_request)."""
@@ -130,7 +130,7 @@ class AsyncLLMEngine:
         await done
 
     async def continue_request(self, request_id: str, tokens: list[int],
-                               params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+                               params: SamplingParams | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Resume a paused request whose previous stream was closed (a session's next turn) and
         stream it anew."""
         self._check_alive()
@@ -153,7 +153,7 @@ class AsyncLLMEngine:
         turn); it leaves only by continue_request() or abort()."""
         self._detached.add(request_id)
 
-    async def _consume(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _consume(self, rid: str, queue: asyncio.Queue) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while True:
@@ -243,7 +243,10 @@ class AsyncLLMEngine:
     def _deliver(self, output: RequestOutput | BaseException | None, request_id: str | None = None) -> None:
         if output is None:
             return
-        rid = request_id or output.request_id
+        if request_id is None:
+            assert isinstance(output, RequestOutput), "an error is delivered with its request's id"
+            request_id = output.request_id
+        rid = request_id
         stream = self._streams.get(rid)
         if stream is None:
             return

@@ -12,11 +12,11 @@ from segue.engine_args import add_engine_args, engine_config_from_args
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0, off)")
+    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed (default: unseeded)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -44,8 +44,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from segue.engine import LLMEngine
     from segue import profiler
+    from segue.engine import LLMEngine
     from segue.sched.cost_model import default_profile_path
 
     config = engine_config_from_args(args)
@@ -96,7 +96,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="segue", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="apply the chat template to a prompt and print the answer")
@@ -108,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     serve.add_argument("--config", default=None, help="server config file (JSON or TOML): limits, sessions, "
                        "API keys, server-side tools; see segue/server/README.md")
     serve.add_argument("--api-key", action="append", default=None,

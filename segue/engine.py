@@ -185,7 +185,7 @@ class LLMEngine:
         state = self._states.get(request_id)
         if state is None or state.request.interception is None:
             raise InvalidRequestError(f"request {request_id!r} is not paused")
-        req = state.request
+        req, interception = state.request, state.request.interception
         if req.num_tokens + len(tokens) >= self.max_model_len:
             raise InvalidRequestError(f"resuming {request_id!r} would exceed the context window")
         # New params bring their own constraint; otherwise what the constraint says follows a
@@ -200,8 +200,8 @@ class LLMEngine:
         state.tool_calls = None
         state.turn_end = None
         req.stop_reason = None
-        if req.interception.tool is not None:
-            self.tool_stats.observe(req.interception.tool, self.clock() - req.interception.t_call)
+        if interception.tool is not None:
+            self.tool_stats.observe(interception.tool, self.clock() - interception.t_call)
         state.text_before += state.detokenizer.flush()
         self.predictors.on_resume(req, len(tokens), self.clock())
         self._apply_oracle(req)
@@ -247,8 +247,9 @@ class LLMEngine:
         """The token ids a paused request holds (what a continuation extends); None if it is not
         paused."""
         state = self._states.get(request_id)
-        paused = state is not None and state.request.interception is not None
-        return list(state.request.all_token_ids) if paused else None
+        if state is None or state.request.interception is None:
+            return None
+        return list(state.request.all_token_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -331,6 +332,7 @@ class LLMEngine:
             else:
                 seg = self.trace.pause_due(req.request_id, req.num_generated_tokens)
                 if seg is not None:
+                    assert seg.interception_s is not None  # pause_due returns only segments that pause
                     self.intercept(req.request_id, seg.kind)
                     self.trace.schedule_resume(req.request_id, now + seg.interception_s)
                 elif state.tool_parser is not None and state.tool_parser.has_complete_call(state.detokenizer.text):

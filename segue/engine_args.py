@@ -11,8 +11,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="a .gguf file or Hugging Face checkpoint directory "
                    "(default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--served-model-name", default=None, help="the model name the API reports (default: from --model)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations dtype (auto: the kernel plan's choice for the device)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                    help="weight-only quantization of the linear layers (auto: on CPU, int8 for the batch "
@@ -24,17 +25,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="sampling settings for fields a request leaves out: the model's recommended "
                         "ones (auto), the OpenAI API defaults (none), or a directory's "
                         "generation_config.json")
-    g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    g.add_argument("--block-size", type=int, default=CacheConfig.block_size,
+                   help=f"tokens per KV cache block (default: {CacheConfig.block_size})")
     g.add_argument("--kv-cache-tokens", type=int, default=CacheConfig.kv_cache_tokens,
                    help="device KV pool size in tokens")
     g.add_argument("--kv-cache-bytes", type=int, default=None, help="device KV pool size in bytes (overrides tokens)")
-    g.add_argument("--swap-space-tokens", type=int, default=CacheConfig.swap_space_tokens)
+    g.add_argument("--swap-space-tokens", type=int, default=CacheConfig.swap_space_tokens,
+                   help=f"host KV pool size in tokens, for swapped-out KV (default: {CacheConfig.swap_space_tokens})")
     g.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="KV cache storage dtype (auto: the model's; bfloat16 under a float32 model halves "
                         "KV memory and attention reads)")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
-    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached KV of shared prompt prefixes")
+    g.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
+                   help=f"token budget per step (default: {SchedulerConfig.max_num_batched_tokens})")
+    g.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
+                   help=f"sequences per step (default: {SchedulerConfig.max_num_seqs})")
     g.add_argument("--watermark", type=float, default=SchedulerConfig.watermark,
                    help="fraction of the KV pool kept free when admitting new requests (default: 0)")
     g.add_argument("--latency-capacity-tokens", type=int, default=None,
@@ -44,7 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-agent-retention", action="store_true",
                    help="turn off agent-aware retention and admission: finished turns' histories go straight "
                         "to the LRU prefix cache and admission does not protect them (segue/sched/agents.py)")
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context window in tokens (default: the model's)")
     g.add_argument("--policy", default=SchedulerConfig.policy, help="scheduling policy name")
     g.add_argument("--interception-policy", default=SchedulerConfig.interception_policy,
                    help="discard, improved-discard, preserve, swap, ttl or min-waste")

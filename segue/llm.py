@@ -1,6 +1,8 @@
 """Offline batch API: LLM(model=...).generate(prompts, SamplingParams(...))."""
 from __future__ import annotations
 
+from typing import cast
+
 from tqdm import tqdm
 
 from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
@@ -27,14 +29,14 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        one = isinstance(prompts, str) or bool(prompts) and isinstance(prompts[0], int)
+        batch = cast(list[str | list[int]], [prompts] if one else prompts)
         params = params or SamplingParams()
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.engine.add_request(None, p, sp).request_id for p, sp in zip(prompts, params_list)]
+        params_list = params if isinstance(params, list) else [params] * len(batch)
+        ids = [self.engine.add_request(None, p, sp).request_id for p, sp in zip(batch, params_list, strict=True)]
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
             while self.engine.has_unfinished_requests():
@@ -46,7 +48,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = cast(list[list[dict]], [messages] if one else messages)
         prompts = [self.engine.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, params, use_tqdm)
 

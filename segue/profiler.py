@@ -108,12 +108,12 @@ def _recording(engine: LLMEngine) -> Iterator[list[SchedulerOutput]]:
         batches.append(out)
         return inner(out)
 
-    executor.execute = execute
+    executor.execute = execute  # type: ignore[method-assign]  # an instance attribute, removed below
     try:
         yield batches
     finally:
         if had_own:
-            executor.execute = inner
+            executor.execute = inner  # type: ignore[method-assign]
         else:
             del executor.execute
 

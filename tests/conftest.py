@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import pathlib
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -85,3 +87,17 @@ def tiny_checkpoint(tmp_path: pathlib.Path):
         return make_tiny_checkpoint(tmp_path / f"tiny-{arch}{'-tied' if tie else ''}-{seed}", arch, tie, seed)
 
     return make
+
+
+# The scripted server engine the server test modules share (test_server_support), one per module
+# (module scope); each module scripts its own replies in its `scripted` fixture.
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+    from test_server_support import engine_fixture  # imported here: it imports this module
+
+    yield from engine_fixture(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def engine(setup: tuple[Any, Any]) -> Any:
+    return setup[0]

@@ -35,7 +35,7 @@ def greedy_continuation(model: LlamaModel, prompt: list[int], n: int, block_size
 def agreement(ref: LlamaModel, other: LlamaModel, prompts: list[list[int]], continuations: list[list[int]]) -> float:
     """Share of continuation positions where both models pick the same greedy token."""
     same = total = 0
-    for prompt, cont in zip(prompts, continuations):
+    for prompt, cont in zip(prompts, continuations, strict=True):
         ids = prompt + cont
         start = len(prompt) - 1
         a = full_logits(ref, ids)[start:-1].argmax(-1)

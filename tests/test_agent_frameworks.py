@@ -69,8 +69,15 @@ def model_name(url: str) -> str:
 # ---- OpenAI Agents SDK ---------------------------------------------------------------------
 
 def run_openai_agent(url: str, stream: bool) -> tuple[Any, list[dict[str, Any]], list[str]]:
-    from agents import (Agent, AgentHooks, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
-                        set_tracing_disabled)
+    from agents import (
+        Agent,
+        AgentHooks,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)
@@ -216,8 +223,15 @@ class WeatherArgs(BaseModel):
 
 
 def run_typed_openai_agent(url: str, stream: bool, choice: str) -> tuple[Any, list[Any], list[int]]:
-    from agents import (Agent, AgentHooks, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
-                        set_tracing_disabled)
+    from agents import (
+        Agent,
+        AgentHooks,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)

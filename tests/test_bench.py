@@ -10,6 +10,7 @@ import transformers
 
 from conftest import make_tiny_checkpoint
 from segue.bench import benchmarks
+from segue.cli import build_parser, main
 from segue.sim.metrics import (
     Distribution,
     RequestRecord,
@@ -24,7 +25,6 @@ from segue.sim.metrics import (
     tpot,
     ttft,
 )
-from segue.cli import build_parser, main
 
 
 def record(arrival: float, first: float, finish: float, prompt: int = 10, output: int = 5,

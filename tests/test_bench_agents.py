@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from segue.sim.agent_replay import run_agents
 from segue.bench.agents import parse_agent_config
+from segue.config import CacheConfig, EngineConfig, SchedulerConfig
+from segue.sched.cost_model import PRESETS
+from segue.sim.agent_replay import run_agents
+from segue.sim.engine import make_sim_engine
 from segue.sim.programs import ProgramSpec, run_program
 from segue.sim.workloads.agents import AgentSpec, draw_agents, system_prompt_ids, task_ids
-from segue.config import CacheConfig, EngineConfig, SchedulerConfig
-from segue.sim.engine import make_sim_engine
-from segue.sched.cost_model import PRESETS
 
 SMALL = AgentSpec(num_agents=6, arrival_window_s=2.0, turns_min=2, turns_max=4, output_tokens=8,
                   system_tokens=96, task_tokens=16, tool_result_tokens=24, tool_median_s=0.5, tool_cap_s=2.0)

@@ -39,5 +39,5 @@ def test_program_and_baseline_run_the_same_loop(server: tuple[str, Any]) -> None
         assert call["cached_tokens"] >= 256, call
     # The same prompts up to tokenization: the program tokenizes segment by segment, the baseline the
     # rendered text, and the generated text in them differs by how it was stripped and re-encoded.
-    for p, b in zip(program_calls, baseline_calls):
+    for p, b in zip(program_calls, baseline_calls, strict=True):
         assert abs(p["prompt_tokens"] - b["prompt_tokens"]) <= N + 4

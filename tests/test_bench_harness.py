@@ -2,6 +2,7 @@
 URL client against a live Segue server, and the fidelity tool on a tiny model."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from typing import Iterator
@@ -11,15 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from segue.sim.arrivals import ArrivalProcess
 from segue.bench.client import ClientConfig, drive_sync
-from segue.sim.metrics import normalized_latency, ttft
 from segue.bench.targets import parse_config
+from segue.cli import main
+from segue.sim.arrivals import ArrivalProcess
+from segue.sim.metrics import normalized_latency, ttft
 from segue.sim.workloads.chat import ChatMix, ThroughputMix
 from segue.sim.workloads.registry import WorkloadSpec, arrivals_for, make_requests
 from segue.sim.workloads.trace_request import TraceRequest
-from segue.cli import main
-
 
 # ---- arrivals --------------------------------------------------------------------------------
 
@@ -114,7 +114,7 @@ def test_parse_config():
     assert (u.target, u.url, u.model) == ("url", "http://127.0.0.1:8765/v1", "smol")
     assert parse_config("e=target:engine").target == "engine"
     for bad in ("noequals", "x=policy", "x=color:red", "x=target:gpu", "x=target:url"):
-        with pytest.raises(Exception):
+        with pytest.raises(argparse.ArgumentTypeError):
             parse_config(bad)
 
 
@@ -123,7 +123,8 @@ def test_parse_config():
 def test_compare_on_simulator_writes_json_md_png(tmp_path):
     out = tmp_path / "cmp"
     rc = main(["--log-level", "WARNING", "bench", "compare", "--workload", "chat", "--num-requests", "12",
-               "--rates", "2,8", "--config", "discard=interception:discard", "--config", "preserve=interception:preserve",
+               "--rates", "2,8", "--config", "discard=interception:discard",
+               "--config", "preserve=interception:preserve",
                "--sim-kv-cache-tokens", "4096", "--latency-slo", "0.5", "--output-dir", str(out), "--no-progress"])
     assert rc == 0
     res = json.loads((out / "compare.json").read_text())

@@ -15,7 +15,6 @@ import pytest
 import ray.cloudpickle
 
 from conftest import make_tiny_checkpoint
-from test_server_support import ServerThread
 from segue.async_engine import AsyncLLMEngine, EngineDeadError
 from segue.cluster import build_local_pool, build_ray_pool
 from segue.cluster.local_replica import LocalReplica
@@ -30,6 +29,7 @@ from segue.sampling_params import InvalidRequestError, SamplingParams
 from segue.server.app import create_app
 from segue.server.metrics import engine_snapshot
 from segue.tools.spec import ToolCall
+from test_server_support import ServerThread
 
 # Ray actors unpickle this module's parser class by value: tests are not importable there.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -99,7 +99,8 @@ async def run_one(pool: EnginePool, prompt: str | list[int], rid: str, max_token
                   **hints: Any) -> tuple[int, RequestOutput]:
     """(replica that served it, final output)."""
     owner, last = -1, None
-    async for last in pool.generate(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), rid, **hints):
+    async for out in pool.generate(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), rid, **hints):
+        last = out
         if owner < 0:
             owner = pool.owner_of(rid)
     assert last is not None and last.finished
@@ -136,7 +137,7 @@ def test_outputs_equal_single_engine_greedy(pool: EnginePool, reference: dict[st
     async def run() -> list[tuple[int, RequestOutput]]:
         return await asyncio.gather(*(run_one(pool, p, f"eq-{i}") for i, p in enumerate(PROMPTS)))
     results = asyncio.run(run())
-    for prompt, (_, out) in zip(PROMPTS, results):
+    for prompt, (_, out) in zip(PROMPTS, results, strict=True):
         assert out.outputs[0].token_ids == reference[prompt]
         assert out.prompt == prompt
     assert {owner for owner, _ in results} == {0, 1}  # concurrent unrelated work uses both engines
@@ -211,7 +212,7 @@ def test_objective_updates_reach_the_replica(pool: EnginePool) -> None:
     async def run() -> list[bool]:
         seen = []
         pool.set_latency_sensitive("obj-1", False)  # before the request exists
-        async for out in pool.generate(SYSTEM + "Go on and on.", SamplingParams(max_tokens=400, **GREEDY), "obj-1"):
+        async for _ in pool.generate(SYSTEM + "Go on and on.", SamplingParams(max_tokens=400, **GREEDY), "obj-1"):
             if not seen:
                 seen.append(await pool.run_sync(_latency_sensitive("obj-1"), request_id="obj-1"))
                 pool.set_latency_sensitive("obj-1", True)

@@ -22,8 +22,6 @@ import pytest
 import ray.cloudpickle
 
 from conftest import make_tiny_checkpoint
-from test_cluster import run_one
-from test_server_support import ServerThread
 from segue.async_engine import EngineDeadError
 from segue.cluster import build_ray_pool
 from segue.cluster.pool import EnginePool
@@ -36,6 +34,8 @@ from segue.engine import LLMEngine
 from segue.outputs import RequestOutput
 from segue.sampling_params import SamplingParams
 from segue.server.app import create_app
+from test_cluster import run_one
+from test_server_support import ServerThread
 
 # Functions below run on the actors via run_sync: they travel by value (tests are not importable there).
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -34,7 +34,7 @@ def test_greedy_matches_transformers_token_for_token(llm):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     ids = [engine.add_request(None, p, params).request_id for p in prompts]
     results = run_to_completion(engine)
-    for rid, prompt in zip(ids, prompts):
+    for rid, prompt in zip(ids, prompts, strict=True):
         assert results[rid].outputs[0].token_ids == hf_greedy(model, prompt, 24)
 
 

@@ -50,7 +50,7 @@ def check_against_hf(engine: LLMEngine, model, batch: list[list[int]]) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     ids = [engine.add_request(None, p, params).request_id for p in batch]
     results = run_to_completion(engine)
-    for rid, prompt in zip(ids, batch):
+    for rid, prompt in zip(ids, batch, strict=True):
         assert results[rid].outputs[0].token_ids == hf_greedy(model, prompt, MAX_NEW), f"prompt of {len(prompt)} tokens"
     return results
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-import transformers
 import torch
+import transformers
 
 from conftest import make_tiny_checkpoint
 from engine_helpers import hf_greedy, run_to_completion
@@ -58,13 +58,14 @@ def test_pause_resume_equals_uninterrupted_generation(tiny, policy):
     batch = list(scripts(7, 5))
     ids = [engine.add_request(None, p, SamplingParams(temperature=0), script=s).request_id for p, s in batch]
     results = run_to_completion(engine)
-    for rid, (prompt, script) in zip(ids, batch):
+    for rid, (prompt, script) in zip(ids, batch, strict=True):
         assert results[rid].outputs[0].token_ids == reference(model, prompt, script), policy
     assert engine.scheduler.kv.num_held_blocks() == 0 and not engine.scheduler.kv.host_tables
 
 
 def test_dispositions_really_happen(tiny):
-    """Swap moves blocks out and (what the device cache lost) back in, discard recomputes, preserve holds memory idle (waste)."""
+    """Swap moves blocks out and (what the device cache lost) back in, discard recomputes, preserve
+    holds memory idle (waste)."""
     path, _ = tiny
     seen = {}
     for policy in ("swap", "discard", "preserve"):
@@ -91,8 +92,9 @@ def test_abort_while_paused_and_while_swapped_frees_everything(tiny):
     path, _ = tiny
     engine = make_engine(path, "swap")
     prompt = list(range(1000, 1030))
-    engine.add_request("a", prompt, SamplingParams(temperature=0), script=[TraceSegment(2, 10.0, [5, 6]), TraceSegment(3)])
-    engine.add_request("b", prompt[::-1], SamplingParams(temperature=0), script=[TraceSegment(2, 10.0, [7]), TraceSegment(3)])
+    greedy = SamplingParams(temperature=0)
+    engine.add_request("a", prompt, greedy, script=[TraceSegment(2, 10.0, [5, 6]), TraceSegment(3)])
+    engine.add_request("b", prompt[::-1], greedy, script=[TraceSegment(2, 10.0, [7]), TraceSegment(3)])
     while engine.scheduler.paused.paused.keys() != {"a", "b"}:
         engine.step()
         engine.check_invariants()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from segue.config import SchedulerConfig
 from segue.kv.manager import KVCacheManager

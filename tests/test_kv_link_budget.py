@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import random
 
-from test_kv_tiers import BS, make, run_until_generated, step
 from segue.request import Request, RequestStatus
 from segue.sampling_params import SamplingParams
+from test_kv_tiers import BS, make, run_until_generated, step
 
 
 def link_blocks(sched) -> int:

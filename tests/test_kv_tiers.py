@@ -10,9 +10,7 @@ import random
 
 import pytest
 
-from test_interception_sched import FakeKVExecutor
 from segue.config import CacheConfig, EngineConfig, SchedulerConfig
-from segue.sim.engine import make_sim_engine
 from segue.kv.block_pool import BlockPool
 from segue.kv.manager import KVCacheManager
 from segue.request import Disposition, Request, RequestStatus
@@ -21,7 +19,9 @@ from segue.sched.cost_model import CostModel
 from segue.sched.interception import INTERCEPTION_POLICIES, make_interception_policy
 from segue.sched.policies import make_policy
 from segue.sched.scheduler import Scheduler
+from segue.sim.engine import make_sim_engine
 from segue.trace import TraceSegment
+from test_interception_sched import FakeKVExecutor
 
 BS = 4
 SYSTEM = list(range(100, 112))  # three full blocks every agent shares

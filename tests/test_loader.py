@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import make_tiny_checkpoint
 
+from conftest import make_tiny_checkpoint
 from segue.model import gguf_loader
 from segue.model.gguf_loader import hf_tensor_name, unpermute_rotary_rows
 from segue.model.loader import CheckpointError, default_model_path, hf_model_config, load_checkpoint

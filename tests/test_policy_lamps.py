@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_interception_sched import FakeKVExecutor, expected_output, tool_tokens
 
 from segue.config import SchedulerConfig
 from segue.kv.manager import KVCacheManager
@@ -20,6 +19,7 @@ from segue.sched.paused import PausedRequests
 from segue.sched.policies import PolicyContext, make_policy
 from segue.sched.policies.lamps import LAMPSPolicy
 from segue.sched.scheduler import Scheduler
+from test_interception_sched import FakeKVExecutor, expected_output, tool_tokens
 
 # Round numbers: T_fwd(n) = (n + 10) ms, so t_fwd_extra(n) = n ms; T_swap(n) = n ms; M = 1 byte,
 # so every waste below is in token-seconds.

@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
-from test_interception_sched import VOCAB, FakeKVExecutor, expected_output, tool_tokens
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from segue.config import SchedulerConfig
 from segue.kv.manager import KVCacheManager
@@ -19,6 +19,7 @@ from segue.sched.policies import PolicyContext, make_policy
 from segue.sched.policies.mlfq import MLFQPolicy
 from segue.sched.request_queue import RequestQueue
 from segue.sched.scheduler import Scheduler
+from test_interception_sched import VOCAB, FakeKVExecutor, expected_output, tool_tokens
 
 BS = 4
 # T_fwd(t) = (t + 9) ms: a decode step takes 10 ms, the base quantum; quanta 10, 20, 40, 80, ... ms.

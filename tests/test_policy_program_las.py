@@ -3,11 +3,13 @@ yield to new ones, service outlives a program's finished calls until it goes idl
 bound, priority, and the scheduler's invariants after every step."""
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from segue.config import SchedulerConfig
 from segue.kv.manager import KVCacheManager
@@ -128,7 +130,7 @@ def test_starvation_bound_under_a_flood_of_new_programs() -> None:
             continue
         assert served, "the heavy program's call never ran"
         entry = policy.entries.get("heavy-2")
-        gaps = [b - a for a, b in zip([last] + served, served)]
+        gaps = [b - a for a, b in itertools.pairwise([last] + served)]
         # Its own service is a handful of tokens at the default cost model: the bound is the floor
         # (or ratio x service), plus the step in which it is promoted.
         bound = max(min_wait, ratio * (entry.served_s if entry else 0.0)) + 2 * STEP_S

@@ -16,8 +16,17 @@ from conftest import make_tiny_checkpoint
 from engine_helpers import run_to_completion
 from segue.config import CacheConfig, ConfigError, EngineConfig, ModelLoadConfig, PredictorConfig, SchedulerConfig
 from segue.engine import LLMEngine
-from segue.predict import (OUTPUT_HIDDEN, OUTPUT_PROMPT, TOOL_DURATION, AccuracyTracker, GaussianNoise,
-                           OnlinePredictors, OnlineRidge, OutputLengthPredictor, ToolDurationPredictor)
+from segue.predict import (
+    OUTPUT_HIDDEN,
+    OUTPUT_PROMPT,
+    TOOL_DURATION,
+    AccuracyTracker,
+    GaussianNoise,
+    OnlinePredictors,
+    OnlineRidge,
+    OutputLengthPredictor,
+    ToolDurationPredictor,
+)
 from segue.request import Interception, Request
 from segue.sampling_params import SamplingParams
 from segue.tools.stats import DurationStats

@@ -36,7 +36,7 @@ def make_case(lens, start_pos, kv_heads=3, group=3, block_size=16, num_blocks=16
     g = torch.Generator().manual_seed(seed)
     kc = torch.randn(kv_heads, num_blocks, block_size, HD, generator=g).to(cache_dtype)
     vc = torch.randn(kv_heads, num_blocks, block_size, HD, generator=g).to(cache_dtype)
-    need = [(sp + n + block_size - 1) // block_size for n, sp in zip(lens, start_pos)]
+    need = [(sp + n + block_size - 1) // block_size for n, sp in zip(lens, start_pos, strict=True)]
     perm = torch.randperm(num_blocks, generator=g).tolist()
     assert sum(need) <= num_blocks
     tables, used = [], 0
@@ -106,7 +106,8 @@ def test_bf16_model():
     q, kc, vc, starts, sp, tables = make_case([60, 9], [200, 3], dtype=torch.bfloat16, cache_dtype=torch.bfloat16)
     out, safe = run(q, kc, vc, starts, sp, tables)
     assert out.dtype == torch.bfloat16
-    assert (out.double() - reference(q, kc, vc, starts, sp, safe, HD ** -0.5)).abs().max().item() < TOLERANCE[torch.bfloat16]
+    error = (out.double() - reference(q, kc, vc, starts, sp, safe, HD ** -0.5)).abs().max().item()
+    assert error < TOLERANCE[torch.bfloat16]
 
 
 def test_strided_queries_as_from_the_fused_qkv_projection():
@@ -158,6 +159,8 @@ def test_decode_and_rope_kernels_reject_wrong_calls():
     cos, sin = torch.randn(10, HD // 2), torch.randn(10, HD // 2)
     KERNELS.rope_and_cache(qkv.clone(), torch.tensor([0, 1, 9]), cos, sin, kc, vc, torch.tensor([0, 1, 127]), nh, kvh)
     with pytest.raises(RuntimeError, match="RoPE table"):
-        KERNELS.rope_and_cache(qkv.clone(), torch.tensor([0, 1, 10]), cos, sin, kc, vc, torch.tensor([0, 1, 2]), nh, kvh)
+        KERNELS.rope_and_cache(qkv.clone(), torch.tensor([0, 1, 10]), cos, sin, kc, vc, torch.tensor([0, 1, 2]),
+                               nh, kvh)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        KERNELS.rope_and_cache(qkv.clone(), torch.tensor([0, 1, 2]), cos, sin, kc, vc, torch.tensor([0, 1, 128]), nh, kvh)
+        KERNELS.rope_and_cache(qkv.clone(), torch.tensor([0, 1, 2]), cos, sin, kc, vc, torch.tensor([0, 1, 128]),
+                               nh, kvh)

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
+from segue import profiler
 from segue.config import CacheConfig, EngineConfig, ModelLoadConfig
 from segue.engine import LLMEngine
-from segue import profiler
 from segue.executor.step_fit import StepPoint, fit_steps, nnls
 from segue.sched.cost_model import CostModel, mean_cost_model
 

@@ -9,16 +9,22 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_tiny_checkpoint
+from engine_helpers import run_to_completion
 from quality_helpers import agreement, decode_logits, greedy_continuation, perplexity
 from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
 from segue.engine import LLMEngine
 from segue.model.cpu_kernels import load_cpu_kernels
 from segue.model.llama import LlamaModel
 from segue.model.loader import load_checkpoint
-from segue.model.quant import (LinearWeights, Quantization, dequantize_int4, dequantize_int8, quantize_int4,
-                                quantize_int8)
+from segue.model.quant import (
+    LinearWeights,
+    Quantization,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+)
 from segue.sampling_params import SamplingParams
-from engine_helpers import run_to_completion
 
 KERNELS = load_cpu_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="native CPU kernels unavailable")

@@ -87,7 +87,8 @@ def test_seeded_independent_of_batch(device: str, filtering: dict) -> None:
     ]
     for pos in range(10):
         alone = sample(row, [target], [pos])[0].token_id
-        batch = torch.cat([_logits(2, vocab, seed=10 + pos, device=device), row, _logits(2, vocab, seed=20, device=device)])
+        before, after = _logits(2, vocab, seed=10 + pos, device=device), _logits(2, vocab, seed=20, device=device)
+        batch = torch.cat([before, row, after])
         params = others[:2] + [target] + others[2:]
         out = sample(batch, params, [5, 9, pos, 1, 0])
         assert out[2].token_id == alone
@@ -117,7 +118,7 @@ def test_seeded_distribution(device: str) -> None:
     for pos in range(n):
         counts[sample(base, [SamplingParams(seed=42)], [pos])[0].token_id] += 1
     expected = (torch.softmax(base[0].double().cpu(), -1) * n).tolist()
-    chi2 = sum((c - e) ** 2 / e for c, e in zip(counts, expected))
+    chi2 = sum((c - e) ** 2 / e for c, e in zip(counts, expected, strict=True))
     assert chi2 < 25, (counts, expected)
 
 
@@ -137,7 +138,7 @@ def test_logprobs_are_raw_log_softmax(device: str, dtype: torch.dtype) -> None:
     assert r0.top is not None and len(r0.top) == 5
     want = ref[0].topk(5)
     assert [t for t, _ in r0.top] == want.indices.tolist()
-    for (_, lp), w in zip(r0.top, want.values.tolist()):
+    for (_, lp), w in zip(r0.top, want.values.tolist(), strict=True):
         assert lp == pytest.approx(w, abs=1e-5)
     assert [lp for _, lp in r0.top] == sorted((lp for _, lp in r0.top), reverse=True)
     # logprobs=0: only the chosen token's logprob.

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from segue.config import SchedulerConfig
 from segue.kv.manager import KVCacheManager
@@ -286,7 +287,8 @@ def test_admission_keeps_kv_accounting_every_step(seed, num_blocks, budget, poli
     n = 0
     for step in range(400):
         if n < 10 and rng.random() < 0.3:
-            prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 12))]
+            prefix = shared if rng.random() < 0.5 else []
+            prompt = prefix + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 12))]
             if len(prompt) + 6 <= sched.max_model_len:
                 sched.add_request(Request(f"r{n}", prompt, SamplingParams(max_tokens=rng.randrange(1, 6)), step * 0.01))
                 n += 1

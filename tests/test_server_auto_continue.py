@@ -13,10 +13,9 @@ from segue.server.app import create_app
 from segue.server.auto_continue import AutoContinuation
 from segue.server.config import ServerConfig
 from segue.server.sessions import HeldRequest, SessionStore
-from test_server_sessions import KEY_A, KEY_B, WEATHER, close, make_client
 from test_server_session_turns import CHAT, FOLLOW_UP, GREETING, FirstTurnScript, paused_ids
-from test_server_support import (  # noqa: F401  (engine, setup: shared pytest fixtures)
-    ScriptedModel, ServerThread, engine, on_engine, setup, wait_until)
+from test_server_sessions import KEY_A, KEY_B, WEATHER, close, make_client
+from test_server_support import ScriptedModel, ServerThread, on_engine, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,15 @@ from segue.async_engine import AsyncLLMEngine
 from segue.server.app import create_app
 from segue.server.config import ServerConfig, ServerConfigError, load_server_config
 from segue.tools.registry import ToolRegistry
-from test_server_support import (ScriptedModel, ServerThread, call_text, engine_fixture, num_paused, wait_idle,
-                                 wait_until)
+from test_server_support import (
+    ScriptedModel,
+    ServerThread,
+    call_text,
+    engine_fixture,
+    num_paused,
+    wait_idle,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")

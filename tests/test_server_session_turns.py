@@ -16,8 +16,15 @@ from segue.server.auth import tenant_id
 from segue.server.config import ServerConfig
 from segue.server.templating import ChatRenderer
 from test_server_sessions import KEY_A, KEY_B, chat, close, make_client, scripted_text
-from test_server_support import (  # noqa: F401  (engine, setup: shared pytest fixtures)
-    ScriptedModel, ServerThread, encode, engine, engine_stats, on_engine, setup, wait_idle, wait_until)
+from test_server_support import (
+    ScriptedModel,
+    ServerThread,
+    encode,
+    engine_stats,
+    on_engine,
+    wait_idle,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")

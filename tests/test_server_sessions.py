@@ -16,9 +16,17 @@ from segue.server.app import create_app
 from segue.server.auth import tenant_id
 from segue.server.config import ServerConfig
 from segue.tools.registry import ToolRegistry
-from test_server_support import (  # noqa: F401  (engine, setup: shared pytest fixtures)
-    ScriptedModel, ServerThread, call_text, encode, engine, engine_stats, num_paused, on_engine, setup, wait_idle,
-    wait_until)
+from test_server_support import (
+    ScriptedModel,
+    ServerThread,
+    call_text,
+    encode,
+    engine_stats,
+    num_paused,
+    on_engine,
+    wait_idle,
+    wait_until,
+)
 
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
 WEATHER = {"type": "function", "function": {

@@ -12,9 +12,9 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from engine_helpers import OpensCalls
 from segue.async_engine import AsyncLLMEngine
 from segue.server.app import create_app
-from engine_helpers import OpensCalls
 from test_server_support import ServerThread, encode, make_engine, on_engine, shutdown, wait_idle
 
 LIGHT = {"type": "object", "properties": {"on": {"type": "boolean"},

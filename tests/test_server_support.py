@@ -17,7 +17,6 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-import pytest
 import uvicorn
 
 from conftest import default_tokenizer, make_tiny_checkpoint
@@ -178,15 +177,3 @@ def engine_fixture(tmp_factory: Any, policy: str = "preserve") -> Iterator[tuple
     engine = make_engine(tmp_factory.mktemp("server"), policy)
     yield engine, install_script(engine)
     shutdown(engine)
-
-
-# The scripted engine the server test modules share: one per module (module scope), imported by
-# name so pytest finds them; each module scripts its own replies in its `scripted` fixture.
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AsyncLLMEngine, ScriptedModel]]:
-    yield from engine_fixture(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def engine(setup: tuple[AsyncLLMEngine, ScriptedModel]) -> AsyncLLMEngine:
-    return setup[0]

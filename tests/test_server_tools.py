@@ -13,8 +13,15 @@ from segue.server.app import create_app
 from segue.server.config import ServerConfig
 from segue.tools.registry import ToolRegistry
 from segue.tools.spec import ToolSpec
-from test_server_support import (  # noqa: F401  (engine, setup: shared pytest fixtures)
-    ScriptedModel, ServerThread, call_text, engine, num_paused, on_engine, setup, wait_idle, wait_until)
+from test_server_support import (
+    ScriptedModel,
+    ServerThread,
+    call_text,
+    num_paused,
+    on_engine,
+    wait_idle,
+    wait_until,
+)
 
 WAIT_TIMEOUT_S = 2.0
 
@@ -164,7 +171,8 @@ ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}}, "requ
 
 @pytest.mark.parametrize("marker, answer", [("[rounds]", None), ("[rounds-json]", ANSWER)])
 def test_every_server_side_round_keeps_its_constraint(client: openai.OpenAI, engine: AsyncLLMEngine,
-                                                      scripted: ScriptedModel, marker: str, answer: dict | None) -> None:
+                                                      scripted: ScriptedModel, marker: str,
+                                                      answer: dict | None) -> None:
     # Three server-side tool rounds, then the answer: every segment samples under the tool grammar
     # (with response_format, the one that also offers the answer format), not only the first.
     grammars: dict[int, set[Any]] = {}
@@ -181,7 +189,8 @@ def test_every_server_side_round_keeps_its_constraint(client: openai.OpenAI, eng
         e.executor.execute = execute
         return inner
     inner = on_engine(engine, record)
-    extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": answer}}} if answer else {}
+    schema_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": answer}}
+    extra = {"response_format": schema_format} if answer else {}
     try:
         r = ask(client, f"{marker} count", **extra)
     finally:

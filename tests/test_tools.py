@@ -16,8 +16,20 @@ import time
 
 import pytest
 
-from segue.tools import (BUILTINS, CalculatorError, DurationStats, ToolCall, ToolCallParser, ToolKind,
-                         ToolRegistry, ToolRunner, ToolSpec, ToolSpecError, evaluate, truncate)
+from segue.tools import (
+    BUILTINS,
+    CalculatorError,
+    DurationStats,
+    ToolCall,
+    ToolCallParser,
+    ToolKind,
+    ToolRegistry,
+    ToolRunner,
+    ToolSpec,
+    ToolSpecError,
+    evaluate,
+    truncate,
+)
 
 # ---- tools referenced by config targets ("test_tools:...") -------------------------------------
 ECHO_PARAMS = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}

@@ -60,7 +60,7 @@ def add_bench_subparsers(bench_parser: argparse.ArgumentParser,
 
 def run_bench(args: argparse.Namespace) -> int:
     name = getattr(args, "benchmark", None)
-    bench = benchmarks().get(name)
+    bench = benchmarks().get(name) if name else None
     if bench is None:
         raise SystemExit(f"unknown benchmark {name!r}; available: {', '.join(benchmarks())}")
     return bench.run(args)

@@ -3,8 +3,9 @@ history re-sent every turn (workloads/agents.py), on configurations side by side
 
 A configuration is `NAME=KEY:VALUE,...` with keys `target` (engine | sim | url), `url`, `model`,
 `mode` (plain | sessions | auto: engine and simulator, a plain client's turns continued by the
-server, the last one held until released, see agent_replay.py), `interception`, `policy`, `keep_sessions` (url, sessions mode: never
-close a session, as an agent that just goes away). For example:
+server, the last one held until released, see agent_replay.py), `interception`, `policy`,
+`keep_sessions` (url, sessions mode: never close a session, as an agent that just goes away). For
+example:
 
   segue bench agents --url http://127.0.0.1:8000/v1 --modes plain,sessions       # Segue
   segue bench agents --url http://127.0.0.1:8765/v1 --modes plain --model NAME   # any OpenAI server
@@ -29,7 +30,8 @@ from segue.bench import Benchmark
 from segue.sim.agent_report import _f, _mean, render
 
 DEFAULT_CONFIGS = ("plain=mode:plain", "sessions-min-waste=mode:sessions,interception:min-waste",
-                   "sessions-discard=mode:sessions,interception:discard", "auto-min-waste=mode:auto,interception:min-waste")
+                   "sessions-discard=mode:sessions,interception:discard",
+                   "auto-min-waste=mode:auto,interception:min-waste")
 
 
 @dataclass
@@ -91,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="url targets: do not send ignore_eos (servers that reject it; turns may end early)")
     add_agent_args(p)
     add_sim_target_args(p)
-    g.add_argument("--output-json", default=None, metavar="PATH")
+    g.add_argument("--output-json", default=None, metavar="PATH", help="also write the results here as JSON")
     g.add_argument("--deadline-s", type=float, default=None, help="stop an engine/sim run after this long")
 
 
@@ -112,9 +114,8 @@ def configs_from_args(args: argparse.Namespace) -> list[AgentRunConfig]:
 
 def make_sim(args: argparse.Namespace, cfg: AgentRunConfig) -> Any:
     from segue.engine_args import engine_config_from_args
-    from segue.sim.engine import make_sim_engine
     from segue.sched.cost_model import PRESETS, CostModel
-    from segue.sim.engine import default_kv_cache_tokens
+    from segue.sim.engine import default_kv_cache_tokens, make_sim_engine
 
     preset = args.preset
     cost = PRESETS[preset] if preset in PRESETS else CostModel.load(preset)

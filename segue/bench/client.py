@@ -198,7 +198,7 @@ class OpenAIClient:
                 session_id = seg.session_id or session_id
                 output += seg.completion_tokens
                 end = seg.end_time
-                if not more:
+                if pause is None:  # not `more`
                     break
                 await asyncio.sleep(pause)
                 follow = filler_text(cal.words_for(appended, cal.turn_overhead), rng)

@@ -29,8 +29,8 @@ from segue.bench import Benchmark
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--engines", type=int, default=2, help="replicas for the multi-engine setups (default: 2)")
-    g.add_argument("--chat-sessions", type=int, default=4)
-    g.add_argument("--chat-turns", type=int, default=3)
+    g.add_argument("--chat-sessions", type=int, default=4, help="concurrent multi-turn chats (default: 4)")
+    g.add_argument("--chat-turns", type=int, default=3, help="turns per chat (default: 3)")
     g.add_argument("--system-len", type=int, default=160, help="chat system prompt tokens (default: 160)")
     g.add_argument("--user-len", type=int, default=24, help="tokens per user message (default: 24)")
     g.add_argument("--documents", type=int, default=2, help="map-reduce documents (default: 2)")
@@ -40,8 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--setups", default="single,round_robin,affinity",
                    help="comma list of single, round_robin, affinity (default: all three)")
     g.add_argument("--ray-cpus", type=int, default=None, help="CPUs given to Ray (default: all)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--output-json", default=None, metavar="PATH")
+    g.add_argument("--seed", type=int, default=0, help="seeds the prompts, one seed per setup from it (default: 0)")
+    g.add_argument("--output-json", default=None, metavar="PATH", help="also write the results here as JSON")
 
 
 @dataclass
@@ -103,11 +103,13 @@ async def _call(engine: Any, kind: str, prompt: list[int], max_tokens: int, rid:
         hints.pop("task_group", None)  # one engine: nothing to place
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start, first, replica, last = time.monotonic(), None, None, None
-    async for last in engine.generate(prompt, params, rid, **hints):
+    async for out in engine.generate(prompt, params, rid, **hints):
+        last = out
         if first is None:
             first = time.monotonic()
             replica = engine.owner_of(rid) if hasattr(engine, "owner_of") else 0
     end = time.monotonic()
+    assert last is not None  # a request always ends with an output
     result.calls.append(Call(kind, end - start, (first or end) - start, len(prompt), last.num_cached_tokens, replica))
     return list(last.outputs[0].token_ids)
 
@@ -174,8 +176,8 @@ def render_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from segue.engine_args import engine_config_from_args
     from segue.cluster import build_engine, make_router
+    from segue.engine_args import engine_config_from_args
 
     config = engine_config_from_args(args)
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
@@ -188,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     async def measure(engine: Any, names: list[str], engines: int) -> None:
         vocab = engine.engine.vocab_size if hasattr(engine, "router") else engine.engine.model_config.vocab_size
         await _warm_up(engine, vocab, engines)
-        for i, name in enumerate(names):
+        for name in names:
             if hasattr(engine, "router"):
                 engine.router = make_router(name, engines, **({"block_size": config.cache.block_size}
                                                               if name == "affinity" else {}))

@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also report each configuration's max rate with mean normalized latency ≤ this (s/token)")
     o.add_argument("--deadline-s", type=float, default=None,
                    help="stop a run this many seconds after it starts (unfinished requests are reported)")
-    o.add_argument("--no-plots", action="store_true")
+    o.add_argument("--no-plots", action="store_true", help="write compare.json and compare.md only")
     o.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
@@ -110,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
 
         latency_vs_rate(rows, out / "latency_vs_rate.png", spec.describe())
         latency_cdfs(rows, out / "latency_cdf.png", spec.describe())
-    print(f"\nwrote {out}/compare.json, compare.md" + ("" if args.no_plots else ", latency_vs_rate.png, latency_cdf.png"),
-          file=sys.stderr)
+    plots = "" if args.no_plots else ", latency_vs_rate.png, latency_cdf.png"
+    print(f"\nwrote {out}/compare.json, compare.md{plots}", file=sys.stderr)
     return 0
 
 

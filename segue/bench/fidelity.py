@@ -18,7 +18,7 @@ import copy
 import json
 import os
 import tempfile
-from typing import Any
+from typing import Any, cast
 
 from segue.bench import Benchmark
 
@@ -35,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and the drift between the two profiles is reported")
     p.add_argument("--tolerance", type=float, default=0.10, help="relative error called agreement (default 0.10)")
     p.add_argument("--deadline-s", type=float, default=None, help="stop the real run after this many seconds")
-    p.add_argument("--output-json", default=None, metavar="PATH")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--output-json", default=None, metavar="PATH", help="also write the results here as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
 DRIFT_TOKENS = (1, 16, 128, 512)
@@ -69,7 +69,7 @@ def step_diagnosis(log: Any, cost: Any) -> list[dict[str, Any]]:
         if not len(a["step_s"]):
             continue
         predicted = [cost.t_fwd(b) + cost.fwd_ms_per_context_token * c / 1000
-                     for b, c in zip(a["batched_tokens"], a["context_tokens"])]
+                     for b, c in zip(a["batched_tokens"], a["context_tokens"], strict=True)]
         rows.append({"steps": label, "count": int(len(a["step_s"])),
                      "mean_batched_tokens": float(a["batched_tokens"].mean()),
                      "mean_context_tokens": float(a["context_tokens"].mean()),
@@ -81,14 +81,15 @@ def step_diagnosis(log: Any, cost: Any) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     from segue.bench.intercept import _warm_up
-    from segue.sim.replay import real_clock_wait, replay
     from segue.bench.step_log import StepLog
-    from segue.sim.workloads.registry import WorkloadSpec, arrivals_for, make_requests
-    from segue.engine_args import engine_config_from_args
     from segue.engine import LLMEngine
+    from segue.engine_args import engine_config_from_args
     from segue.executor.loading import load_model
-    from segue.sim.engine import make_sim_engine
+    from segue.executor.sim_executor import SimClock, SimExecutor
     from segue.sched.cost_model import CostModel, mean_cost_model
+    from segue.sim.engine import make_sim_engine
+    from segue.sim.replay import real_clock_wait, replay
+    from segue.sim.workloads.registry import WorkloadSpec, arrivals_for, make_requests
 
     base = engine_config_from_args(args)
     executor, tokenizer, model_config, model_name, template = load_model(base)
@@ -160,12 +161,13 @@ def run(args: argparse.Namespace) -> int:
             for name, model in models:
                 sconf = copy.deepcopy(config)
                 sconf.scheduler.profile_path = None
+                clock = SimClock()
                 sim_engine = make_sim_engine(model, kv_tokens, sconf, max_model_len=probe.max_model_len,
-                                             swap_space_tokens=swap_tokens)
-                res = replay(sim_engine, requests, arrivals, sim_engine.clock.advance_to, seed=args.seed)
+                                             swap_space_tokens=swap_tokens, clock=clock)
+                res = replay(sim_engine, requests, arrivals, clock.advance_to, seed=args.seed)
                 m = _metrics(res)
                 run[name] = m
-                run[f"{name}_busy_s"] = sim_engine.executor.busy_seconds
+                run[f"{name}_busy_s"] = cast(SimExecutor, sim_engine.executor).busy_seconds
                 run[f"{name}_error"] = {k: _error(m[k], run["real"][k])
                                         for k in ("output_throughput", "normalized_latency_mean", "ttft_mean")}
             report["runs"].append(run)
@@ -212,8 +214,8 @@ def render(report: dict[str, Any], tolerance: float) -> str:
         for key, label, fmt in (("output_throughput", "output tok/s", "{:.1f}"),
                                 ("normalized_latency_mean", "mean normalized latency (s/token)", "{:.4f}"),
                                 ("ttft_mean", "mean TTFT (s)", "{:.3f}")):
-            lines.append(f"| {label} | {_num(real[key], fmt)} | {_num(sim[key], fmt)} | {_pct(run['sim_error'][key])} | "
-                         f"{_num(refit[key], fmt)} | {_pct(run['refit_error'][key])} |")
+            lines.append(f"| {label} | {_num(real[key], fmt)} | {_num(sim[key], fmt)} | "
+                         f"{_pct(run['sim_error'][key])} | {_num(refit[key], fmt)} | {_pct(run['refit_error'][key])} |")
         lines.append(f"| busy time (s) | {run['real_busy_s']:.1f} | {run['sim_busy_s']:.1f} | "
                      f"{_pct(_error(run['sim_busy_s'], run['real_busy_s']))} | {run['refit_busy_s']:.1f} | "
                      f"{_pct(_error(run['refit_busy_s'], run['real_busy_s']))} |")
@@ -234,8 +236,9 @@ def render(report: dict[str, Any], tolerance: float) -> str:
                   "| steps | count | mean tokens | mean context | forward (ms) | whole step (ms) | predicted (ms) |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for s in run["steps"]:
-            lines.append(f"| {s['steps']} | {s['count']} | {s['mean_batched_tokens']:.0f} | {s['mean_context_tokens']:.0f} "
-                         f"| {s['execute_ms']:.1f} | {s['step_ms']:.1f} | {s['predicted_ms']:.1f} |")
+            lines.append(f"| {s['steps']} | {s['count']} | {s['mean_batched_tokens']:.0f} "
+                         f"| {s['mean_context_tokens']:.0f} | {s['execute_ms']:.1f} | {s['step_ms']:.1f} "
+                         f"| {s['predicted_ms']:.1f} |")
         r = run["refit_cost_model"]
         lines += ["", f"Refit over the real steps: {r['fwd_ms_per_token']:.4f} ms/token + {r['fwd_base_ms']:.1f} ms "
                       f"+ {r['fwd_ms_per_context_token']:.5f} ms/context token.", ""]

@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"table": json.loads(table.to_json()),
-                       "plan": {"dtype": str(plan.dtype).removeprefix("torch."), "quantization": plan.quantization.value,
+                       "plan": {"dtype": str(plan.dtype).removeprefix("torch."),
+                                "quantization": plan.quantization.value,
                                 "quantized_rows": plan.quantized_rows,
                                 "head_quantized_rows": plan.head_quantized_rows}}, f, indent=1)
     return 0

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from segue.sim.metrics import normalized_latency, ttft
 from segue.bench.report import metric, records_of
+from segue.sim.metrics import normalized_latency, ttft
 
 
 def _pyplot() -> Any:
@@ -26,11 +26,11 @@ def latency_vs_rate(rows: Sequence[dict[str, Any]], path: str | Path, title: str
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     configs = list(dict.fromkeys(r["config"] for r in rows))
-    for ax, stat in zip(axes, ("mean", "p99")):
+    for ax, stat in zip(axes, ("mean", "p99"), strict=True):
         ys_all = []
         for c in configs:
-            pts = sorted((r["rate"], metric(r, "normalized_latency", stat)) for r in rows if r["config"] == c)
-            pts = [(x, y) for x, y in pts if y is not None]
+            measured = sorted((r["rate"], metric(r, "normalized_latency", stat)) for r in rows if r["config"] == c)
+            pts = [(x, y) for x, y in measured if y is not None]
             ys_all += [y for _, y in pts]
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=c)
         if ys_all and min(ys_all) > 0 and max(ys_all) / min(ys_all) > 20:
@@ -52,7 +52,7 @@ def latency_cdfs(rows: Sequence[dict[str, Any]], path: str | Path, title: str, m
     rates = sorted(dict.fromkeys(r["rate"] for r in rows))[-max_rates:]
     configs = list(dict.fromkeys(r["config"] for r in rows))
     fig, axes = plt.subplots(len(rates), 2, figsize=(11, 3.4 * len(rates)), squeeze=False)
-    for (ax_n, ax_t), rate in zip(axes, rates):
+    for (ax_n, ax_t), rate in zip(axes, rates, strict=True):
         for c in configs:
             recs = [rec for r in rows if r["config"] == c and r["rate"] == rate for rec in records_of(r)]
             if not recs:

@@ -26,9 +26,17 @@ import time
 from typing import Any, Callable
 
 from segue.bench import Benchmark
-from segue.bench.program_workloads import (DEFAULT_DOCUMENT, chain_baseline, chain_program,
-                                           coder_reviewer_baseline, coder_reviewer_program, load_document,
-                                           map_reduce_baseline, map_reduce_program, shared_prefix_run)
+from segue.bench.program_workloads import (
+    DEFAULT_DOCUMENT,
+    chain_baseline,
+    chain_program,
+    coder_reviewer_baseline,
+    coder_reviewer_program,
+    load_document,
+    map_reduce_baseline,
+    map_reduce_program,
+    shared_prefix_run,
+)
 
 PARTS = ("chain", "map-reduce", "coder-reviewer", "shared-prefix")
 # (server url, output tokens, delay per round trip) -> wall seconds
@@ -50,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shared document tokens, in the shared-prefix and coder-reviewer parts (default: 768)")
     g.add_argument("--rounds", type=int, default=3, help="coder/reviewer rounds, two calls each (default: 3)")
     g.add_argument("--skip", default="", help=f"comma separated parts to skip: {', '.join(PARTS)}")
-    g.add_argument("--output-json", default=None, metavar="PATH")
+    g.add_argument("--output-json", default=None, metavar="PATH", help="also write the results here as JSON")
 
 
 class ForwardTimer:
@@ -110,8 +118,8 @@ class LiveServer:
 
 
 def run(args: argparse.Namespace) -> int:
-    from segue.engine_args import engine_config_from_args
     from segue.engine import LLMEngine
+    from segue.engine_args import engine_config_from_args
     from segue.executor.loading import load_model
 
     skip = set(filter(None, args.skip.split(",")))
@@ -160,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
                         forward_s[kind].append(forward.seconds)
             med = {k: statistics.median(v) for k, v in times.items()}
             # Wall time minus the model's forward passes: network, queueing, HTTP, scheduling.
-            rest = {k: statistics.median(w - f for w, f in zip(times[k], forward_s[k])) for k in times}
+            rest = {k: statistics.median(w - f for w, f in zip(times[k], forward_s[k], strict=True)) for k in times}
             both = statistics.median(forward_s["program"] + forward_s["baseline"])
             row = {"workload": name, "output_tokens": n, "calls": _calls(name, args),
                    **{f"{k}_s": v for k, v in times.items()},

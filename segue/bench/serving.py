@@ -62,8 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows to run ({', '.join(ROWS)})")
     p.add_argument("--vocab-size", type=int, default=49152, help="token ids are drawn below this")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--seed", type=int, default=0, help="seeds the prompts (default: 0)")
+    p.add_argument("--output-json", default=None, metavar="PATH", help="also write the results here as JSON")
 
 
 def random_ids(rng, n: int, vocab: int) -> list[int]:

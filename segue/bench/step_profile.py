@@ -9,14 +9,16 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from typing import cast
 
 from segue.bench import Benchmark
 
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-requests", type=int, default=64, help="requests decoding together: the batch (default: 64)")
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per request: the context (default: 256)")
+    p.add_argument("--steps", type=int, default=8, help="decode steps profiled (default: 8)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the prompts (default: 0)")
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature (default: what a client that sends none gets, the "
                         "model's recommended settings; 0 = greedy)")
@@ -26,8 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from segue.engine_args import engine_config_from_args
     from segue.engine import LLMEngine
+    from segue.engine_args import engine_config_from_args
+    from segue.executor.model_executor import ModelExecutor
     from segue.sampling_params import SamplingParams
 
     engine = LLMEngine(engine_config_from_args(args))
@@ -58,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         engine.step()
     profiler.disable()
     wall = (time.perf_counter() - t0) / args.steps * 1000
-    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+    # An undocumented attribute (typeshed omits it), stable since Python 2: the raw table.
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
 
     def ms(match, cumulative=False) -> float:
         total = sum(v[3] if cumulative else v[2] for k, v in stats.items() if match(k))
@@ -82,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                                     ("detokenizer" in k[0] or "engine.py" in k[0]), cumulative=True),
     }
     rows["other Python"] = max(0.0, wall - sum(rows.values()))
-    ex = engine.executor
+    ex = cast(ModelExecutor, engine.executor)  # LLMEngine(config) builds the model's executor
     print(f"decode step at batch {args.num_requests}, context ~{args.prompt_len}: {wall:.1f} ms wall "
           f"(cProfile on), {args.num_requests / wall * 1000:.0f} tok/s; torch threads {torch.get_num_threads()}; "
           f"{str(ex.dtype).removeprefix('torch.')}, KV cache {str(ex.kv_dtype).removeprefix('torch.')}, "

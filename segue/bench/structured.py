@@ -22,13 +22,13 @@ from typing import Any
 
 from segue.bench import Benchmark
 
-WEATHER = {"type": "function", "function": {
+WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the weather forecast for a city.",
     "parameters": {"type": "object", "properties": {
         "city": {"type": "string", "description": "the city name"},
         "days": {"type": "integer", "minimum": 1, "maximum": 7, "description": "forecast length in days"}},
         "required": ["city", "days"]}}}
-SEARCH = {"type": "function", "function": {
+SEARCH: dict[str, Any] = {"type": "function", "function": {
     "name": "web_search", "description": "Search the web.",
     "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
 TOOLS = [WEATHER, SEARCH]
@@ -53,13 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-sizes", default="1,32", help="batch sizes of the TPOT run (default: 1,32)")
     g.add_argument("--output-len", type=int, default=48, help="tokens per request in the TPOT run (default: 48)")
     g.add_argument("--repeats", type=int, default=2, help="TPOT repeats per configuration (default: 2)")
-    g.add_argument("--skip-tpot", action="store_true")
-    g.add_argument("--skip-validity", action="store_true")
+    g.add_argument("--skip-tpot", action="store_true", help="skip the time-per-token runs")
+    g.add_argument("--skip-validity", action="store_true", help="skip the output-validity runs")
     g.add_argument("--output-json", default=None, metavar="PATH", help="write all results here")
 
 
 def _drain(engine: Any) -> list[Any]:
-    done = []
+    done: list[Any] = []
     while engine.has_unfinished_requests():
         done.extend(o for o in engine.step() if o.finished)
     return done
@@ -90,8 +90,8 @@ def measure_compile(engine: Any) -> dict[str, Any]:
 
 
 def measure_tpot(engine: Any, prompt: list[int], batch: int, output_len: int, spec: Any) -> float:
-    from segue.sim.metrics import RequestRecord, tpot
     from segue.sampling_params import SamplingParams
+    from segue.sim.metrics import RequestRecord, tpot
 
     for i in range(batch):
         params = SamplingParams(max_tokens=output_len, temperature=0.7, seed=i, ignore_eos=True, structured=spec)
@@ -186,8 +186,8 @@ def run_validity(engine: Any, renderer: Any, args: argparse.Namespace) -> dict[s
 def run(args: argparse.Namespace) -> int:
     import platform
 
-    from segue.engine_args import engine_config_from_args
     from segue.engine import LLMEngine
+    from segue.engine_args import engine_config_from_args
     from segue.server.templating import ChatRenderer
 
     engine = LLMEngine(engine_config_from_args(args))

@@ -117,8 +117,7 @@ class Runner:
 
     def make_sim(self, cfg: RunConfig) -> Any:
         from segue.config import CacheConfig, EngineConfig, SchedulerConfig
-        from segue.sim.engine import make_sim_engine
-        from segue.sim.engine import default_kv_cache_tokens
+        from segue.sim.engine import default_kv_cache_tokens, make_sim_engine
 
         a, cost = self.args, self.sim_cost()
         kv = a.sim_kv_cache_tokens or default_kv_cache_tokens(a.preset, cost.kv_bytes_per_token, a.block_size) \
@@ -137,8 +136,8 @@ class Runner:
 
     def make_engine(self, cfg: RunConfig) -> Any:
         from segue.bench.intercept import _warm_up
-        from segue.engine_args import engine_config_from_args
         from segue.engine import LLMEngine
+        from segue.engine_args import engine_config_from_args
         from segue.executor.loading import load_model
 
         base = engine_config_from_args(self.args)

@@ -13,7 +13,7 @@ import platform
 import shlex
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 from segue.bench import Benchmark
 from segue.sim.metrics import RequestRecord, summarize
@@ -43,7 +43,7 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list
 
 
 def _drain(engine: Any, bar: Any) -> list[Any]:
-    finished = []
+    finished: list[Any] = []
     while engine.has_unfinished_requests():
         outputs = engine.step()
         bar.update(len(outputs))  # each output of a step carries exactly one new token
@@ -106,6 +106,8 @@ def build_hf_model(ckpt: Any, device: Any) -> Any:
     )
     if cfg.rope_scaling is not None:
         kwargs["rope_scaling"] = dict(cfg.rope_scaling)
+    config: Any  # transformers types each model class with its own config class
+    cls: Any
     if cfg.architecture == "qwen2":
         config, cls = transformers.Qwen2Config(**kwargs), transformers.Qwen2ForCausalLM
     else:  # llama, and mistral whose sliding window the loader already folded into the context cap
@@ -223,8 +225,9 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from segue.engine_args import engine_config_from_args
     from segue.engine import LLMEngine
+    from segue.engine_args import engine_config_from_args
+    from segue.executor.model_executor import ModelExecutor
 
     n, p_len, o_len = args.num_requests, args.prompt_len, args.output_len
     if min(n, p_len, o_len, args.hf_batch_size) < 1:
@@ -239,15 +242,16 @@ def run(args: argparse.Namespace) -> int:
     prompts = random_prompts(n, p_len, vocab, args.seed)
     single_prompt = random_prompts(1, p_len, vocab, args.seed + 1)[0]
     warmup_prompt = random_prompts(1, min(p_len, 16), vocab, args.seed + 2)[0]
-    device = engine.executor.device
+    executor = cast(ModelExecutor, engine.executor)  # LLMEngine(config) builds the model's executor
+    device = executor.device
     results: dict[str, Any] = {
         "command": shlex.join([os.path.basename(sys.argv[0]) or "segue", *sys.argv[1:]]),
         "args": _plain_args(args),
         "environment": {
             "model": engine.model_name, "device": describe_device(device),
-            "dtype": str(engine.executor.dtype).removeprefix("torch."),
-            "kv_cache_dtype": str(engine.executor.kv_dtype).removeprefix("torch."),
-            "quantization": engine.executor.quantization.value,
+            "dtype": str(executor.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(executor.kv_dtype).removeprefix("torch."),
+            "quantization": executor.quantization.value,
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(),
         },

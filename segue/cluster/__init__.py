@@ -32,7 +32,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
-from segue.cluster.router import LoadReport, PlacementReason, RouteDecision, RouteRequest, Router
+from segue.cluster.router import LoadReport, PlacementReason, RouteDecision, Router, RouteRequest
 from segue.cluster.routers import make_router
 
 if TYPE_CHECKING:

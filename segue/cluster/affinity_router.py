@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from segue.cluster.prefix_index import PrefixIndex, block_hashes
-from segue.cluster.router import PlacementReason, RouteDecision, RouteRequest, Router
+from segue.cluster.router import PlacementReason, RouteDecision, Router, RouteRequest
 
 
 class AffinityRouter(Router):

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-from segue.sampling_params import InvalidRequestError, SamplingParams
-
 from segue.cluster.model_info import ModelInfo
+from segue.sampling_params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     from segue.cluster.replica import EngineReplica

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
 
 from segue.async_engine import AsyncLLMEngine
 from segue.cluster.model_info import ModelInfo, model_info
@@ -22,14 +22,14 @@ class LocalReplica(EngineReplica):
         return model_info(self.engine.engine)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       hints: dict[str, Any]) -> AsyncIterator[ReplicaOutput]:
+                       hints: dict[str, Any]) -> AsyncGenerator[ReplicaOutput, None]:
         # aclosing: leaving this stream must close the engine's at once (its finally aborts the request).
         async with contextlib.aclosing(self.engine.generate(prompt_token_ids, params, request_id, **hints)) as outs:
             async for out in outs:
                 yield out, load_report(self.engine.engine)
 
     async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
-                               tool_parser: Any) -> AsyncIterator[ReplicaOutput]:
+                               tool_parser: Any) -> AsyncGenerator[ReplicaOutput, None]:
         # In process the engine holds the caller's parser object itself: nothing to refresh.
         async with contextlib.aclosing(self.engine.continue_request(request_id, tokens, params)) as outs:
             async for out in outs:

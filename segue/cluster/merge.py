@@ -30,7 +30,7 @@ def _merge(values: list[Any]) -> Any:
         keys = list(dict.fromkeys(k for v in values for k in v))
         return {k: merge_results([v.get(k) for v in values]) for k in keys}
     if all(type(v) is type(first) and isinstance(v, (tuple, list)) and len(v) == len(first) for v in values):
-        return type(first)(merge_results(list(column)) for column in zip(*values))
+        return type(first)(merge_results(list(column)) for column in zip(*values, strict=True))
     if all(v == first for v in values):
         return first
     if all(isinstance(getattr(v, "count", None), int) for v in values):

@@ -21,13 +21,13 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncGenerator, Callable, Sequence
 
 from segue.async_engine import EngineDeadError, remember_early
 from segue.cluster.front import ModelFront
 from segue.cluster.merge import merge_results
 from segue.cluster.replica import EngineReplica, ReplicaOutput
-from segue.cluster.router import RouteRequest, Router
+from segue.cluster.router import Router, RouteRequest
 from segue.outputs import RequestOutput
 from segue.sampling_params import InvalidRequestError, SamplingParams
 
@@ -56,7 +56,7 @@ class EnginePool:
 
     # ---- the AsyncLLMEngine interface ----------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       **hints: Any) -> AsyncIterator[RequestOutput]:
+                       **hints: Any) -> AsyncGenerator[RequestOutput, None]:
         """hints: the engine's (priority, program_id, tool_parser, cache_salt, expected_tool_s) plus
         task_group, which only the router reads."""
         self._check_alive()
@@ -82,7 +82,7 @@ class EnginePool:
             yield out
 
     async def continue_request(self, request_id: str, tokens: list[int],
-                               params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+                               params: SamplingParams | None = None) -> AsyncGenerator[RequestOutput, None]:
         self._check_alive()
         replica = self._replica_of(request_id)
         if request_id in self._streaming:
@@ -148,7 +148,7 @@ class EnginePool:
             return
         self._closing = True
         results = await asyncio.gather(*(r.shutdown(drain_timeout) for r in self.replicas), return_exceptions=True)
-        for replica, result in zip(self.replicas, results):
+        for replica, result in zip(self.replicas, results, strict=True):
             if isinstance(result, BaseException):
                 logger.warning("engine replica %d did not shut down cleanly: %r", replica.index, result)
         if self._on_shutdown is not None:
@@ -160,11 +160,11 @@ class EnginePool:
 
     # ---- internals -----------------------------------------------------------------------
     async def _stream(self, rid: str, replica: EngineReplica,
-                      source: AsyncIterator[ReplicaOutput]) -> AsyncIterator[RequestOutput]:
+                      source: AsyncGenerator[ReplicaOutput, None]) -> AsyncGenerator[RequestOutput, None]:
         self._streaming.add(rid)
         finished = False
         try:
-            async with contextlib.aclosing(source) as outputs:  # type: ignore[type-var]
+            async with contextlib.aclosing(source) as outputs:
                 async for out, load in outputs:
                     self.router.report_load(replica.index, load)
                     self.router.confirm(rid)

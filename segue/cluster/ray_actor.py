@@ -13,7 +13,7 @@ import functools
 import logging
 import os
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
 
 from segue.async_engine import AsyncLLMEngine
 from segue.cluster.model_info import ModelInfo, model_info
@@ -38,7 +38,7 @@ def _set_tool_parser(request_id: str, parser: Any, llm: "LLMEngine") -> None:
         state.tool_parser = parser
 
 
-async def _until_set(source: AsyncIterator[Any], stop: asyncio.Event) -> AsyncIterator[Any]:
+async def _until_set(source: AsyncGenerator[Any, None], stop: asyncio.Event) -> AsyncGenerator[Any, None]:
     """source's items until `stop` is set; then the pending read is cancelled (which closes source)."""
     stopper = asyncio.ensure_future(stop.wait())
     try:
@@ -69,7 +69,7 @@ class EngineActor:
         # Open streams by request id: (stop, ended) events, so detach can end one and wait for it.
         self._streams: dict[str, tuple[asyncio.Event, asyncio.Event]] = {}
 
-    async def _serve(self, request_id: str, source: AsyncIterator[Any]) -> AsyncIterator[ActorOutput]:
+    async def _serve(self, request_id: str, source: AsyncGenerator[Any, None]) -> AsyncGenerator[ActorOutput, None]:
         entry = (asyncio.Event(), asyncio.Event())
         self._streams[request_id] = entry
         try:
@@ -94,12 +94,12 @@ class EngineActor:
         return self.incarnation
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       hints: dict[str, Any]) -> AsyncIterator[ActorOutput]:
+                       hints: dict[str, Any]) -> AsyncGenerator[ActorOutput, None]:
         async for item in self._serve(request_id, self.engine.generate(prompt_token_ids, params, request_id, **hints)):
             yield item
 
     async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
-                               tool_parser: Any) -> AsyncIterator[ActorOutput]:
+                               tool_parser: Any) -> AsyncGenerator[ActorOutput, None]:
         previous = self._streams.get(request_id)
         if previous is not None and previous[0].is_set():
             # A detach of the last turn's stream is still closing it; continuing now would find

@@ -20,7 +20,7 @@ server's, segue's) work; closures over test-module globals would not import on t
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Awaitable, Callable
 
 import ray
 import ray.exceptions
@@ -67,7 +67,7 @@ class RayReplica(EngineReplica):
         return self.health.restarts
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       hints: dict[str, Any]) -> AsyncIterator[ReplicaOutput]:
+                       hints: dict[str, Any]) -> AsyncGenerator[ReplicaOutput, None]:
         self._check_up()
         stream = self.actor.generate.options(num_returns="streaming").remote(
             prompt_token_ids, params, request_id, hints)
@@ -75,7 +75,7 @@ class RayReplica(EngineReplica):
             yield item
 
     async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
-                               tool_parser: Any) -> AsyncIterator[ReplicaOutput]:
+                               tool_parser: Any) -> AsyncGenerator[ReplicaOutput, None]:
         self._check_up()
         pending = self._detaching.pop(request_id, None)
         if pending is not None:
@@ -85,7 +85,7 @@ class RayReplica(EngineReplica):
         async for item in self._relay(request_id, stream):
             yield item
 
-    async def _relay(self, request_id: str, stream: Any) -> AsyncIterator[ReplicaOutput]:
+    async def _relay(self, request_id: str, stream: Any) -> AsyncGenerator[ReplicaOutput, None]:
         finished = False
         try:
             async for ref in stream:
@@ -199,6 +199,6 @@ def create_ray_replicas(config: EngineConfig, num_replicas: int, num_cpus_per_re
             replica.connect()
     except BaseException:
         for actor in actors:
-            ray.kill(actor)
+            ray.kill(actor)  # type: ignore[arg-type]  # ray's stubs type .remote()'s result as a union
         raise
     return replicas

@@ -8,7 +8,7 @@ themselves: leaving one early aborts its request, unless the request was detache
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
 
 from segue.cluster.router import LoadReport
 from segue.outputs import RequestOutput
@@ -38,9 +38,11 @@ def engine_census(llm: "LLMEngine") -> dict[str, int]:
 
 class EngineReplica(abc.ABC):
     index: int
-    # How many times the replica's engine was rebuilt (Ray restarted its actor); each time, what it
-    # cached and held is gone. In-process replicas are never rebuilt.
-    restarts: int = 0
+    @property
+    def restarts(self) -> int:
+        """How many times the replica's engine was rebuilt (Ray restarted its actor); each time,
+        what it cached and held is gone. In-process replicas are never rebuilt."""
+        return 0
 
     @abc.abstractmethod
     def describe(self) -> "ModelInfo":
@@ -48,12 +50,12 @@ class EngineReplica(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 hints: dict[str, Any]) -> AsyncIterator[ReplicaOutput]:
+                 hints: dict[str, Any]) -> AsyncGenerator[ReplicaOutput, None]:
         """AsyncLLMEngine.generate on this replica."""
 
     @abc.abstractmethod
     def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
-                         tool_parser: Any) -> AsyncIterator[ReplicaOutput]:
+                         tool_parser: Any) -> AsyncGenerator[ReplicaOutput, None]:
         """AsyncLLMEngine.continue_request; `tool_parser` is the caller's current parser object (the
         server re-arms it between turns), for replicas that hold a copy of it."""
 

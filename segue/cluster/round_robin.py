@@ -1,7 +1,7 @@
 """The baseline router: replicas in turn, blind to programs, prefixes and load."""
 from __future__ import annotations
 
-from segue.cluster.router import PlacementReason, RouteDecision, RouteRequest, Router
+from segue.cluster.router import PlacementReason, RouteDecision, Router, RouteRequest
 
 
 class RoundRobinRouter(Router):

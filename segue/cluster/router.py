@@ -82,7 +82,7 @@ class Router(abc.ABC):
         """Pick one of `candidates` (available replicas, never empty) and remember what locality
         the choice creates."""
 
-    def forget_program(self, program_id: str) -> None:
+    def forget_program(self, program_id: str) -> None:  # noqa: B027 -- optional hook: a no-op by default
         """The program (session) ended: its calls no longer need to stay together."""
 
     # ---- shared bookkeeping --------------------------------------------------------------

@@ -23,6 +23,9 @@ class Executor(ABC):
     num_device_blocks: int
     num_host_blocks: int
     block_size: int
+    # What a cost model records about the executor (the profiler, the simulator's calibration).
+    kv_bytes_per_token: int
+    device_name: str
 
     @abstractmethod
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -61,7 +62,7 @@ def lossless_formats(weights: Mapping[str, torch.Tensor], config: ModelConfig) -
     return layers or set(), exact(head) if head is not None else set()
 
 
-def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.device, kernels: object | None,
+def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.device, kernels: ModuleType | None,
                  weights: Mapping[str, torch.Tensor] | None = None) -> KernelPlan:
     """CUDA: bf16 for "auto", no quantization (no fast kernel wired there). CPU: "auto" follows
     the kernel table: the dtype first, then a quantized kernel for the batch sizes where it beats
@@ -109,7 +110,7 @@ def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.devic
     return plan
 
 
-def _batch_invariant_plan(load: ModelLoadConfig, device: torch.device, kernels: object | None) -> KernelPlan:
+def _batch_invariant_plan(load: ModelLoadConfig, device: torch.device, kernels: ModuleType | None) -> KernelPlan:
     """The native quantized kernels at every batch size: each output row is summed in the same
     order whatever the other rows (segue/model/csrc/quant_ops.cpp), as are the attention kernels'
     rows, so nothing in a request's forward depends on the batch."""

@@ -4,17 +4,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection
+from types import ModuleType
 
 import torch
 
 from segue.config import CacheConfig, ConfigError
 from segue.executor.base import Executor, SampledToken
+from segue.executor.kernel_plan import DTYPES, KernelPlan
 from segue.kv.manager import cdiv
 from segue.model.attention import AttentionMetadata, PrefillChunk
 from segue.model.kv_cache import KVCache
 from segue.model.llama import LlamaModel
 from segue.model.loader import LoadedCheckpoint
-from segue.executor.kernel_plan import DTYPES, KernelPlan
 from segue.model.sampler import sample
 from segue.sched.output import ScheduledSeq, SchedulerOutput
 from segue.structured.bitmask import fill_bitmask
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 class ModelExecutor(Executor):
     def __init__(self, ckpt: LoadedCheckpoint, cache: CacheConfig, device: torch.device, plan: KernelPlan,
-                 kernels: object | None = None) -> None:
+                 kernels: ModuleType | None = None) -> None:
         """`kernels`: the native CPU module (segue.model.cpu_kernels), None on CUDA or without a
         compiler; `plan`: the dtype and kernels per batch size (segue.executor.kernel_plan)."""
         self.device = device
@@ -172,11 +173,11 @@ class ModelExecutor(Executor):
         results = sample(logits, [s.request.sampling_params for s in sampled_seqs],
                          [s.request.num_output_tokens for s in sampled_seqs], allowed)
         tokens = {s.request.request_id: SampledToken(r.token_id, r.logprob, r.top)
-                  for s, r in zip(sampled_seqs, results)}
+                  for s, r in zip(sampled_seqs, results, strict=True)}
         want = [j for j, s in enumerate(sampled_seqs) if s.request.request_id in hidden_for] if hidden_for else []
         if want:
             # Rows already computed for sampling: the only cost is one small copy to the host.
             states = last[want].float().cpu().numpy()
-            for j, state in zip(want, states):
+            for j, state in zip(want, states, strict=True):
                 tokens[sampled_seqs[j].request.request_id].hidden = state
         return tokens

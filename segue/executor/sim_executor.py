@@ -57,7 +57,8 @@ class SimExecutor(Executor):
         the forward pass (InferCept's pipelined swap); only the excess stalls the step. A step with
         copies but no sequences has no compute to hide behind, so all its copying is stall."""
         batch = out.num_batched_tokens
-        copied = (len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out) + len(out.blocks_to_back_up)) * self.block_size
+        blocks = len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out) + len(out.blocks_to_back_up)
+        copied = blocks * self.block_size
         if not out.seqs:
             stall = self.cost.t_swap(copied)
             return stall, stall

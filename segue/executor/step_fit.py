@@ -19,6 +19,7 @@ measured token counts (each segment's rise is a non-negative coefficient, so NNL
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -81,7 +82,7 @@ def curve_knots(tokens: list[int], spacing: float = 1.5) -> list[int]:
 
 def _ramps(tokens: float, knots: list[int]) -> list[float]:
     """How far `tokens` has climbed each segment between knots, 0..1: f = f(k0) + Σ rise_j·ramp_j."""
-    return [min(max((tokens - a) / (b - a), 0.0), 1.0) for a, b in zip(knots, knots[1:])]
+    return [min(max((tokens - a) / (b - a), 0.0), 1.0) for a, b in itertools.pairwise(knots)]
 
 
 def _design(points: list[StepPoint], per_seq: bool, knots: list[int] | None) -> tuple[np.ndarray, np.ndarray]:
@@ -128,7 +129,7 @@ def fit_steps(points: list[StepPoint], per_seq: bool = False, curve: bool = Fals
                   mean_abs_rel_error=float(np.abs(rel).mean()), residuals=residuals)
     if knots:
         levels = np.cumsum(w[:own])  # f at each knot: f(k0), then one rise per segment
-        fit.curve = [[float(k), float(v)] for k, v in zip(knots, levels)]
+        fit.curve = [[float(k), float(v)] for k, v in zip(knots, levels, strict=True)]
         fit.ms_per_token = float((levels[-1] - levels[-2]) / (knots[-1] - knots[-2])) if own > 1 else 0.0
         fit.base_ms = float(levels[0])
     return fit

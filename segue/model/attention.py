@@ -12,6 +12,7 @@ available). GQA never repeats K/V: query heads are grouped per KV head instead.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +38,12 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [num_decodes]
     # The native CPU kernel module on CPU (fp32, bf16 or fp16 queries; a bf16 cache under fp32),
     # else None: the torch path.
-    decode_kernel: object | None = None
+    decode_kernel: ModuleType | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     # The native paged prefill kernel and its varlen arguments when the step has prefill chunks
     # and the kernel applies (then `prefills` stays empty); else the per-chunk torch path over
     # `prefills`. Prefill rows follow the decodes contiguously.
-    prefill_kernel: object | None = None
+    prefill_kernel: ModuleType | None = None
     prefill_query_start: torch.Tensor | None = None   # [chunks + 1] row offsets within the prefill rows
     prefill_start_pos: torch.Tensor | None = None     # [chunks]
     prefill_block_tables: torch.Tensor | None = None  # [chunks, max_blocks]
@@ -51,16 +52,17 @@ class AttentionMetadata:
 def _decode_attention(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata,
                       scale: float) -> torch.Tensor:
     nd, nh, hd = q.shape
-    kc, vc = cache.k[layer], cache.v[layer]
+    kc, vc, blocks = cache.k[layer], cache.v[layer], meta.decode_blocks
+    assert blocks is not None  # set whenever the step has decodes
     if meta.decode_kernel is not None:
         out = meta.decode_kernel.paged_decode_attention(
-            q, kc, vc, meta.decode_blocks.view(nd, -1), meta.decode_context_lens, scale)
+            q, kc, vc, blocks.view(nd, -1), meta.decode_context_lens, scale)
         return out.view(nd, nh * hd)
     kvh = kc.shape[0]
     # [kvh, nd * blocks, block, hd] -> [nd, kvh, ctx, hd] as strided views; SDPA picks the fused
     # kernel for the device (flash / memory-efficient on CUDA) and groups heads itself.
-    k = kc.index_select(1, meta.decode_blocks).to(q.dtype).view(kvh, nd, -1, hd).transpose(0, 1)
-    v = vc.index_select(1, meta.decode_blocks).to(q.dtype).view(kvh, nd, -1, hd).transpose(0, 1)
+    k = kc.index_select(1, blocks).to(q.dtype).view(kvh, nd, -1, hd).transpose(0, 1)
+    v = vc.index_select(1, blocks).to(q.dtype).view(kvh, nd, -1, hd).transpose(0, 1)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask,
                                          scale=scale, enable_gqa=True)   # [nd, nh, 1, hd]
     return out.reshape(nd, nh * hd)

@@ -15,6 +15,7 @@ import os
 import time
 from functools import lru_cache
 from pathlib import Path
+from types import ModuleType
 
 from segue.model.kernel_table import cpu_identity
 
@@ -64,7 +65,7 @@ def _clear_stale_lock(name: str) -> None:
 
 
 @lru_cache(maxsize=1)
-def load_cpu_kernels():
+def load_cpu_kernels() -> ModuleType | None:
     """The compiled module, or None when disabled (SEGUE_DISABLE_CPU_KERNELS=1) or unbuildable."""
     if os.environ.get("SEGUE_DISABLE_CPU_KERNELS") == "1":
         return None

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import transformers
 
-from segue.model.config import ModelConfig
 from segue.model.checkpoint import CheckpointError, LoadedCheckpoint, finalize_weights, resolve_eos_ids
+from segue.model.config import ModelConfig
 
 # general.architecture -> ModelConfig.architecture. llama.cpp also stores Mistral models as "llama".
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}

@@ -12,6 +12,7 @@ table from another machine is never used.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -19,9 +20,11 @@ import math
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from segue.model.config import ModelConfig
 
@@ -140,7 +143,11 @@ def _time_interleaved(candidates: dict[str, list[Callable[[], object]]], reps: i
     return {name: sorted(ts)[len(ts) // 2] * 1000 for name, ts in times.items()}
 
 
-def measure(config: ModelConfig, kernels: object | None, key: dict[str, str]) -> KernelTable:
+def _call_each(fs: Sequence[Callable[[Any], object]], xs: Sequence[Any]) -> list[object]:
+    return [f(x) for f, x in zip(fs, xs, strict=True)]
+
+
+def measure(config: ModelConfig, kernels: ModuleType | None, key: dict[str, str]) -> KernelTable:
     """Time each candidate on random weights of the model's shapes (the values do not matter to
     the speed; the model's own weights need not be loaded yet)."""
     import torch
@@ -162,13 +169,19 @@ def measure(config: ModelConfig, kernels: object | None, key: dict[str, str]) ->
         through `copies` weight sets, as many as it takes to outgrow the CPU's caches: timing one
         cached set made the kernels that read more bytes look as fast as those that read fewer."""
         sets = [[torch.randn(n, k, generator=gen) * 0.02 for n, k in op_shapes] for _ in range(copies)]
-        makers: dict[str, Callable[[list[torch.Tensor]], list]] = {}
+
+        def dense(ws: list[torch.Tensor], dt: torch.dtype) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+            # Each weight converted once, here: a timed call is the GEMM alone.
+            return [functools.partial(F.linear, weight=w.to(dt)) for w in ws]
+
+        def quantized(ws: list[torch.Tensor], quant: Quantization) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+            return [LinearWeights(w, None, quant, torch.float32, kernels, dense_above=1 << 30) for w in ws]
+
+        makers: dict[str, Callable[[list[torch.Tensor]], list[Callable[[torch.Tensor], torch.Tensor]]]] = {}
         for dtype in DTYPES:
-            dt = getattr(torch, dtype)
-            makers[dtype] = lambda ws, dt=dt: [(lambda x, w=w.to(dt): F.linear(x, w)) for w in ws]
+            makers[dtype] = functools.partial(dense, dt=getattr(torch, dtype))
         for quant in quants:
-            makers[quant.value] = lambda ws, quant=quant: [
-                LinearWeights(w, None, quant, torch.float32, kernels, dense_above=1 << 30) for w in ws]
+            makers[quant.value] = functools.partial(quantized, quant=quant)
         built = {name: [make(ws) for ws in sets] for name, make in makers.items()}
         out: dict[str, dict[int, float]] = {name: {} for name in makers}
         for rows in ladder:
@@ -177,8 +190,9 @@ def measure(config: ModelConfig, kernels: object | None, key: dict[str, str]) ->
             # Activations in the GEMM's dtype; the quantized kernels take fp32 (they widen any other).
             xs = {name: [x.to(getattr(torch, name)) for x in x32] if name in DTYPES else x32 for name in built}
             # One call: a whole layer's projections (or the LM head), as the forward runs them.
-            calls = {name: [lambda fs=fs, xs=xs[name]: [f(x) for f, x in zip(fs, xs)] for fs in layers[:n]]
-                     for name, layers in built.items() if name in DTYPES or rows <= QUANT_MAX_ROWS}
+            calls: dict[str, list[Callable[[], object]]] = {
+                name: [functools.partial(_call_each, fs, xs[name]) for fs in layers[:n]]
+                for name, layers in built.items() if name in DTYPES or rows <= QUANT_MAX_ROWS}
             for name, ms in _time_interleaved(calls, reps=3 if n > 1 else 5).items():
                 out[name][rows] = ms
         return out
@@ -198,13 +212,14 @@ def cache_dir() -> Path:
     return Path(root) / "kernel_tables"
 
 
-def table_key(config: ModelConfig, kernels: object | None) -> dict[str, str]:
+def table_key(config: ModelConfig, kernels: ModuleType | None) -> dict[str, str]:
     import torch
 
     shapes = (config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
               config.head_dim, config.vocab_size)
-    return {**cpu_identity(), "method": TABLE_METHOD, "threads": str(torch.get_num_threads()), "torch": torch.__version__,
-            "kernels": getattr(kernels, "__name__", "none"), "shapes": ",".join(map(str, shapes))}
+    return {**cpu_identity(), "method": TABLE_METHOD, "threads": str(torch.get_num_threads()),
+            "torch": torch.__version__, "kernels": getattr(kernels, "__name__", "none"),
+            "shapes": ",".join(map(str, shapes))}
 
 
 def table_path(key: dict[str, str]) -> Path:
@@ -223,7 +238,7 @@ def save(table: KernelTable) -> None:
         logger.warning("could not save the kernel table to %s (%s)", path, e)
 
 
-def kernel_table(config: ModelConfig, kernels: object | None) -> KernelTable:
+def kernel_table(config: ModelConfig, kernels: ModuleType | None) -> KernelTable:
     """This machine's table for the model's shapes: from the cache when its key matches exactly,
     else measured now (seconds) and saved."""
     key = table_key(config, kernels)

@@ -89,8 +89,12 @@ class KVCache:
                 event = torch.cuda.Event()
                 event.record(stream)
             return SwapHandle(event.synchronize)
-        future = _copy_pool().submit(lambda: (self.swap_in(swap_in), self.swap_out(swap_out)))
-        return SwapHandle(future.result)
+
+        def copy() -> None:
+            self.swap_in(swap_in)
+            self.swap_out(swap_out)
+
+        return SwapHandle(_copy_pool().submit(copy).result)
 
 
 class SwapHandle:

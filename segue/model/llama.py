@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -55,7 +56,7 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype,
-                 quantization: Quantization = Quantization.NONE, kernels: object | None = None,
+                 quantization: Quantization = Quantization.NONE, kernels: ModuleType | None = None,
                  dense_above: int = 16, head_dense_above: int = 16,
                  head_quantization: Quantization | None = None) -> None:
         self.config = config
@@ -79,7 +80,7 @@ class LlamaModel:
         # int4 keeps the LM head in int8, as llama.cpp's Q4 files keep it in 6-8 bits: 4 bits
         # there cost the default model ~19% of its greedy agreement with fp32 (measured), for a
         # sixth fewer weight bytes per step.
-        head_quant = Quantization.INT8 if quantization is Quantization.INT4 else quantization
+        head_quant: Quantization = Quantization.INT8 if quantization is Quantization.INT4 else quantization
         if head_quantization is not None:
             head_quant = head_quantization
         self.lm_head = LinearWeights(head.to(device), None, head_quant, dtype, kernels, head_dense_above)
@@ -149,6 +150,7 @@ class LlamaModel:
                        kv_cache: KVCache) -> torch.Tensor:
         """The same math with each layer's elementwise steps as 4 native calls (CPU)."""
         cfg, kern = self.config, self.kernels
+        assert kern is not None  # forward() takes this path only with the native kernels
         nh, kvh, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         q_size, kv_size = nh * hd, kvh * hd
         h = self.embed_tokens[input_ids]  # a fresh tensor: the residual stream, updated in place

@@ -13,6 +13,7 @@ the compute dtype for them. Which batch sizes go where is measured per machine
 from __future__ import annotations
 
 import enum
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +83,7 @@ class LinearWeights:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: Quantization,
-                 dtype: torch.dtype, kernels: object | None = None, dense_above: int = 16) -> None:
+                 dtype: torch.dtype, kernels: ModuleType | None = None, dense_above: int = 16) -> None:
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         if not group_supported(self.in_features):

@@ -155,7 +155,7 @@ def _sample_rows(
             torch.tensor([ps_of[j] for j in filt], device=device, dtype=torch.float32),
         )
         cand_probs = cand_vals.softmax(dim=-1)
-        cand_pos = {j: i for i, (j, ok) in enumerate(zip(filt, exact.tolist())) if ok}
+        cand_pos = {j: i for i, (j, ok) in enumerate(zip(filt, exact.tolist(), strict=True)) if ok}
 
     full = [j for j in range(len(rows)) if j not in cand_pos]
     full_pos = {j: i for i, j in enumerate(full)}
@@ -177,6 +177,7 @@ def _sample_rows(
             pos = [cand_pos[j] for j in js]
             p = select(cand_probs, pos)
             return select(cand_ids, pos).gather(1, _race(p, _exp_noise(p, gen)).unsqueeze(1)).squeeze(1)
+        assert probs is not None  # rows without candidates are the `full` ones
         p = select(probs, [full_pos[j] for j in js])
         return _race(p, _exp_noise(p, gen))
 
@@ -186,9 +187,10 @@ def _sample_rows(
         if js:
             out.index_copy_(0, torch.tensor(js, device=device), draw(js))
     for j, r in enumerate(rows):
-        if params[r].seed is not None:
+        seed = params[r].seed
+        if seed is not None:
             gen = torch.Generator(device=device)
-            gen.manual_seed(_mix_seed(params[r].seed, positions[r]))
+            gen.manual_seed(_mix_seed(seed, positions[r]))
             out[j : j + 1] = draw([j], gen)
     return out
 
@@ -242,6 +244,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     results = [SampleResult(t, None, None) for t in tokens]
     for j, i in enumerate(want_lp):
         n = params[i].logprobs or 0
-        top = list(zip(top_ids[j][:n], top_lps[j][:n])) if n > 0 else []
+        top = list(zip(top_ids[j][:n], top_lps[j][:n], strict=True)) if n > 0 else []
         results[i] = SampleResult(tokens[i], chosen_lp[j], top)
     return results

@@ -55,5 +55,5 @@ class AccuracyTracker:
 
     def snapshot(self) -> AccuracySnapshot:
         n = self.count
-        return AccuracySnapshot(self.name, n, self.mae,
-                                tuple((k, (w / n if n else None)) for k, w in zip(self.tolerances, self.num_within)))
+        within = zip(self.tolerances, self.num_within, strict=True)
+        return AccuracySnapshot(self.name, n, self.mae, tuple((k, (w / n if n else None)) for k, w in within))

@@ -24,7 +24,7 @@ class OnlineRidge:
         self._fitted_at = 0
         self._mu = np.zeros(dim)
         self._sd = np.ones(dim)
-        self._w = np.zeros(dim)
+        self._w: np.ndarray = np.zeros(dim)
         self._b = 0.0
 
     @property

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncGenerator, Callable, Protocol
 
 from segue.async_engine import EngineDeadError
 from segue.outputs import RequestOutput
@@ -40,7 +40,9 @@ class CallError(RuntimeError):
 
 class GenerateEngine(Protocol):
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                 **hints: Any) -> AsyncIterator[RequestOutput]: ...
+                 **hints: Any) -> AsyncGenerator[RequestOutput, None]: ...
+
+    def forget_program(self, program_id: str) -> None: ...
 
 
 @dataclass

@@ -80,9 +80,11 @@ class CallCreate(_Body):
             template = Template.parse(self.template)
         except TemplateError as e:
             raise InvalidRequestError(f"template: {e}") from None
-        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+        optional: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                                    "seed": self.seed}
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         params = SamplingParams(max_tokens=self.max_tokens if self.max_tokens is not None else 1,
-                                stop=self.stop or [], ignore_eos=bool(self.ignore_eos),
+                                stop=stop, ignore_eos=bool(self.ignore_eos),
                                 **{k: v for k, v in optional.items() if v is not None})
         ids = {k: v for k, v in self.inputs.items() if isinstance(v, str)}
         literals = {k: v.value for k, v in self.inputs.items() if isinstance(v, InlineValue)}

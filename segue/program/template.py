@@ -86,10 +86,11 @@ class Template:
         return ids, ends
 
 
-def prefix_hashes(token_ids: list[int], boundaries: list[int], salt: object = None,
+def prefix_hashes(token_ids: str | list[int], boundaries: list[int], salt: object = None,
                   min_tokens: int = 1) -> list[tuple[int, int]]:
     """(length, hash) of the prompt prefix ending at each variable boundary that holds at least
-    `min_tokens` tokens, shortest first. Equal hashes mean equal prefixes (up to hash collisions,
+    `min_tokens` tokens, shortest first. Without a tokenizer the prompt is its text, and lengths
+    count characters. Equal hashes mean equal prefixes (up to hash collisions,
     which only cost a wasted wait, never a wrong result: the KV cache checks tokens itself)."""
     out: list[tuple[int, int]] = []
     for end in dict.fromkeys(boundaries):

@@ -9,8 +9,9 @@ a named function constrain the output to one call in the format ToolCallParser r
 among the tools (the named one) and arguments generated under that tool's JSON schema; "auto"
 allows free text or such a call, so it never yields a malformed one. "none" hides every tool and
 never intercepts. A response_format beside tools (OpenAI allows it; the Agents SDK sends both for
-an agent with tools and an output type) makes the answer either a call or text in that format. Calls are checked against their schema once more when parsed (check_arguments):
-what reaches a client or a server-side tool is valid, or the call carries an error.
+an agent with tools and an output type) makes the answer either a call or text in that format.
+Calls are checked against their schema once more when parsed (check_arguments): what reaches a
+client or a server-side tool is valid, or the call carries an error.
 """
 from __future__ import annotations
 

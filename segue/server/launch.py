@@ -42,7 +42,8 @@ def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
     # --engines N > 1: N engine replicas as Ray actors behind an affinity router (segue/cluster).
     engine = build_engine(config, engines, router=getattr(args, "router", None) or "affinity",
                           max_restarts=restarts)
-    app = create_app(engine, shutdown_engine=True, config=server_config, tools=tools)
+    # An EnginePool presents AsyncLLMEngine's interface (the two share no declared Protocol yet).
+    app = create_app(engine, shutdown_engine=True, config=server_config, tools=tools)  # type: ignore[arg-type]
     logger.info("serving %r (context %d tokens, %d engine%s) on http://%s:%d/v1%s; server-side tools: %s",
                 engine.engine.model_name, engine.engine.max_model_len, engines, "s" if engines > 1 else "", host, port,
                 " with API keys" if server_config.api_keys else "", ", ".join(tools.names()) or "none")

@@ -50,6 +50,7 @@ def engine_snapshot(e: LLMEngine) -> dict[str, Any]:
     s, kv = e.scheduler, e.scheduler.kv
     dispositions: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # requests, device, host blocks
     for rid, req in s.paused.paused.items():
+        assert req.interception is not None  # paused: intercepted
         row = dispositions[req.interception.disposition.value]
         row[0] += 1
         row[1] += kv.num_device_blocks_of(rid)
@@ -171,7 +172,7 @@ class ServerMetrics:
         self.tool_calls = Counter("segue_tool_calls", "Tool calls by tool, side (server/client) and outcome",
                                   ["tool", "side", "outcome"], registry=r)
         self.engine = _EngineCollector(ctx)
-        r.register(self.engine)  # type: ignore[arg-type]
+        r.register(self.engine)
 
     def observe_latency(self, endpoint: str, start: float, first: float | None, end: float, tokens: int,
                         excluded_s: float = 0.0) -> None:
@@ -189,7 +190,7 @@ class ServerMetrics:
 
     async def render(self) -> bytes:
         try:
-            self.engine.snapshot = await self.ctx.engine.run_sync(engine_snapshot)  # type: ignore[arg-type]
+            self.engine.snapshot = await self.ctx.engine.run_sync(engine_snapshot)
         except Exception:  # engine gone: still serve the server-side metrics
             self.engine.snapshot = None
         return generate_latest(self.registry)

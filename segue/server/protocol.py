@@ -120,7 +120,8 @@ class _SamplingRequest(_Request):
         optional = {**(defaults or {})}
         given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
         optional.update({k: v for k, v in given.items() if v is not None})
-        return SamplingParams(max_tokens=max_tokens, stop=self.stop or [], ignore_eos=bool(self.ignore_eos),
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(max_tokens=max_tokens, stop=stop, ignore_eos=bool(self.ignore_eos),
                               logprobs=logprobs, structured=self.output_spec(), **optional)
 
 

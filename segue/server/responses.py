@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field, model_serializer
 
 from segue.outputs import TokenLogprob
 
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 

@@ -67,8 +67,11 @@ class TurnBookkeeping:
             return None
         if self.session is None:
             # A plain turn's hold is the server's business: an implicit session, id never shown.
-            implicit = self.auto and self.ctx.auto is not None and not self.client_tools
-            self.session = self.ctx.auto.open(self.tenant) if implicit else sessions.create(self.tenant)
+            auto = self.ctx.auto
+            if self.auto and auto is not None and not self.client_tools:
+                self.session = auto.open(self.tenant)
+            else:
+                self.session = sessions.create(self.tenant)
             if self.session is None:
                 # No room for another session: the turn ends as a plain one would, not held (the
                 # client's next turn starts fresh from the full history).
@@ -177,7 +180,8 @@ async def _complete(ctx: ServingContext, request: Request, body: ChatCompletionR
                 session_id = book.on_end(ev, "".join(out.content)) or session_id
 
     try:
-        done = await unless_disconnected(request, gather_all([collect(t, c) for t, c in zip(book.turns, choices)]))
+        collecting = [collect(t, c) for t, c in zip(book.turns, choices, strict=True)]
+        done = await unless_disconnected(request, gather_all(collecting))
     finally:
         await book.close()
     if done is None or any(c.end is None for c in choices):

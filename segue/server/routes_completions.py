@@ -19,8 +19,16 @@ from segue.server.errors import error_json, to_api_error
 from segue.server.limits import Deadline, Slot
 from segue.server.openapi import json_body
 from segue.server.protocol import CompletionRequest, choice_seed, random_id
-from segue.server.streaming import (Prepended, SSEResponse, checked, gather_all, merge_streams, prepend, sse,
-                                    unless_disconnected)
+from segue.server.streaming import (
+    Prepended,
+    SSEResponse,
+    checked,
+    gather_all,
+    merge_streams,
+    prepend,
+    sse,
+    unless_disconnected,
+)
 
 router = APIRouter()
 ENDPOINT = "/v1/completions"

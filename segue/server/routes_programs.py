@@ -14,8 +14,15 @@ from pydantic import BaseModel
 from starlette.responses import JSONResponse
 
 from segue.program.executor import ProgramExecutor
-from segue.program.protocol import (CallCreate, ProgramCreate, VariableCreate, VariableSet, call_json,
-                                    program_json, variable_json)
+from segue.program.protocol import (
+    CallCreate,
+    ProgramCreate,
+    VariableCreate,
+    VariableSet,
+    call_json,
+    program_json,
+    variable_json,
+)
 from segue.program.state import ProgramError
 from segue.program.variables import Criteria
 from segue.server.auth import cache_salt, tenant_of

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from segue.sampling_params import SamplingParams
 from segue.sim.replay import token_range
 from segue.sim.workloads.agents import Agent, AgentSpec, system_prompt_ids, task_ids, tool_result_ids
-from segue.sampling_params import SamplingParams
 from segue.trace import TraceSegment
 
 MODES = ("plain", "sessions", "auto")

@@ -78,7 +78,7 @@ def percentiles(values: Iterable[float], qs: Sequence[float] = DEFAULT_PERCENTIL
     if arr.size == 0:
         raise ValueError("percentiles of an empty sequence")
     got = np.percentile(arr, list(qs))
-    return {f"p{q:g}": float(v) for q, v in zip(qs, got)}
+    return {f"p{q:g}": float(v) for q, v in zip(qs, got, strict=True)}
 
 
 def span(records: Sequence[RequestRecord]) -> float:

@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from segue.sim.metrics import RequestRecord, summarize
-from segue.sim.workloads.trace_request import TraceRequest
 from segue.sampling_params import SamplingParams
 from segue.sched.waste import WasteTotals
+from segue.sim.metrics import RequestRecord, summarize
+from segue.sim.workloads.trace_request import TraceRequest
 
 
 # ---- the driver ----------------------------------------------------------------------------
@@ -42,8 +42,8 @@ class ReplayResult:
         d: dict[str, Any] = {
             "num_requests": self.num_requests, "num_finished": self.num_finished,
             "num_unfinished": self.num_unfinished, "stalled": self.stalled, "duration_s": self.duration_s,
-            "wall_s": self.wall_s, "steps": self.steps, "preemptions": self.preemptions, "waste_gbs": self.waste.as_dict(),
-            "summary": summary, **self.extra,
+            "wall_s": self.wall_s, "steps": self.steps, "preemptions": self.preemptions,
+            "waste_gbs": self.waste.as_dict(), "summary": summary, **self.extra,
         }
         if include_records:
             d["records"] = [r.__dict__ for r in self.records]

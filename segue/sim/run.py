@@ -48,7 +48,8 @@ def add_workload_args(p: argparse.ArgumentParser, num_requests_default: int | No
                    help="comma list of arrival rates in req/s (default: sim 1,2,3,4,5; bench intercept 1)")
     g.add_argument("--num-requests", type=int, default=num_requests_default,
                    help="requests per run, drawn from the trace with replacement")
-    g.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
+    g.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson",
+                   help="inter-arrival distribution (default: poisson)")
     g.add_argument("--cv", type=float, default=1.0, help="gamma arrivals' coefficient of variation")
     g.add_argument("--kinds", default=None, help="only these trace kinds (comma list of math, qa, ve, "
                    "chatbot, tts, image)")
@@ -57,7 +58,7 @@ def add_workload_args(p: argparse.ArgumentParser, num_requests_default: int | No
     g.add_argument("--seed", type=int, default=0, help="seeds request sampling, arrivals and token ids")
     g.add_argument("--latency-slo", type=float, default=0.5,
                    help="mean normalized latency (s/token) a sustainable rate must meet (default: 0.5)")
-    g.add_argument("--output-json", default=None, metavar="PATH")
+    g.add_argument("--output-json", default=None, metavar="PATH", help="also write the results here as JSON")
     g.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
 
@@ -71,7 +72,7 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="memory per GPU behind the preset's default KV pool (default: 80; InferCept's p4d: 40)")
     g.add_argument("--swap-space-tokens", type=int, default=None,
                    help="host KV pool in tokens (default: as large as the device pool)")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: 16)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default: the preset's saturation point)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (default: 256, as vLLM)")
@@ -88,7 +89,7 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default="fcfs", help="ordering policy: fcfs, mlfq, ... (default: fcfs)")
     g.add_argument("--policy-option", type=_policy_option, action="append", default=[], metavar="KEY=VALUE",
                    help="an ordering-policy option (repeatable; VALUE is JSON, e.g. starvation_limit_s=2.0)")
-    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached KV of shared prompt prefixes")
     add_workload_args(p, None)
     p.add_argument("--duration-s", type=float, default=600.0,
                    help="trace window: rate × duration requests per rate, unless --num-requests (default: 600)")
@@ -137,11 +138,10 @@ def plot_latency_vs_rate(rows: list[dict[str, Any]], path: str, title: str) -> N
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for policy in dict.fromkeys(r["policy"] for r in rows):
-        pts = sorted((r["rate"], row_metrics(r)["norm_mean"]) for r in rows if r["policy"] == policy)
-        pts = [(x, y) for x, y in pts if y is not None]
+        measured = sorted((r["rate"], row_metrics(r)["norm_mean"]) for r in rows if r["policy"] == policy)
+        pts = [(x, y) for x, y in measured if y is not None]
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=policy)
-    ys = [row_metrics(r)["norm_mean"] for r in rows]
-    ys = [y for y in ys if y]
+    ys = [y for y in (row_metrics(r)["norm_mean"] for r in rows) if y]
     if ys and max(ys) / min(ys) > 20:
         ax.set_yscale("log")  # one collapsing policy would otherwise flatten the rest
     ax.set_xlabel("arrival rate (req/s)")
@@ -155,10 +155,11 @@ def plot_latency_vs_rate(rows: list[dict[str, Any]], path: str, title: str) -> N
 
 
 def run_sim(args: argparse.Namespace) -> int:
-    from segue.sim.replay import render_markdown, replay
     from segue.config import CacheConfig, EngineConfig, PredictorConfig, SchedulerConfig
-    from segue.sim.engine import make_sim_engine
+    from segue.executor.sim_executor import SimClock
     from segue.sched.cost_model import PRESETS, CostModel
+    from segue.sim.engine import make_sim_engine
+    from segue.sim.replay import render_markdown, replay
 
     if getattr(args, "workload", "infercept") != "infercept":
         from segue.sim.workload_runs import run_sim_workload
@@ -194,8 +195,9 @@ def run_sim(args: argparse.Namespace) -> int:
                                           policy=args.policy, policy_options=dict(args.policy_option),
                                           interception_policy=name, agent_retention=not args.no_agent_retention),
                 predictor=PredictorConfig(oracle=args.oracle_predictions, noise_sigma=args.prediction_noise))
-            engine = make_sim_engine(cost, kv_tokens, config, max_model_len=args.max_model_len)
-            res = replay(engine, reqs, arrivals, engine.clock.advance_to, seed=args.seed, progress=progress,
+            clock = SimClock()
+            engine = make_sim_engine(cost, kv_tokens, config, max_model_len=args.max_model_len, clock=clock)
+            res = replay(engine, reqs, arrivals, clock.advance_to, seed=args.seed, progress=progress,
                          desc=f"{name} @ {rate:g} req/s")
             rows.append({"policy": name, "rate": rate, **res.to_dict()})
             # The table comes at the end; a long sweep leaves each row in the log as it finishes.

@@ -49,9 +49,8 @@ def add_sim_workload_args(p: argparse.ArgumentParser) -> None:
 def _engine(args: argparse.Namespace, interception: str | None = None, prefix_caching: bool = True,
             latency_capacity: int | None = None, prefix_eviction: str = "lru") -> Any:
     from segue.config import CacheConfig, EngineConfig, SchedulerConfig
-    from segue.sim.engine import make_sim_engine
     from segue.sched.cost_model import PRESETS, CostModel
-    from segue.sim.engine import default_kv_cache_tokens
+    from segue.sim.engine import default_kv_cache_tokens, make_sim_engine
 
     cost = PRESETS[args.preset] if args.preset in PRESETS else CostModel.load(args.preset)
     kv = args.kv_cache_tokens or default_kv_cache_tokens(args.preset, cost.kv_bytes_per_token, args.block_size,
@@ -89,7 +88,8 @@ def _agents(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
         rows.append({**res, "config": mode if policy is None else f"{mode}-{policy}", "target": "sim",
                      "mode": mode, "interception": policy, "num_agents": len(agents),
                      "mean_busy_s": sum(busy) / len(busy) if busy else None,
-                     "recompute_gbs": res["waste_gbs"]["recompute_gbs"], "waste_total_gbs": res["waste_gbs"]["total_gbs"],
+                     "recompute_gbs": res["waste_gbs"]["recompute_gbs"],
+                     "waste_total_gbs": res["waste_gbs"]["total_gbs"],
                      "prefix_hit": res["prefix_hit_tokens"] / max(1, res["prefix_query_tokens"]),
                      "min_prompt_tokens": spec.min_prompt_tokens(agents)})
     return rows, render(rows, f"segue sim --workload agents — {args.preset}: {spec.describe()}")

@@ -48,9 +48,10 @@ _SCHEMA_VALUES = ("items", "additionalProperties", "not", "contains", "if", "the
 
 def closed_objects(schema: Any) -> Any:
     """The schema with `additionalProperties: false` on every object schema that lists properties
-    and says nothing about others, and sets of a few enum values spelled out (_enum_set). Every output is still valid against the original schema (it
-    only narrows what may be generated), and a small model then cannot ramble on in invented keys
-    until max_tokens cuts the JSON off. xgrammar's default "strict mode" does the same."""
+    and says nothing about others, and sets of a few enum values spelled out (_enum_set). Every
+    output is still valid against the original schema (it only narrows what may be generated), and
+    a small model then cannot ramble on in invented keys until max_tokens cuts the JSON off.
+    xgrammar's default "strict mode" does the same."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -81,7 +82,7 @@ _MAX_SET_ENUM = 6
 
 def _enum_set(schema: dict[str, Any], values: list[Any]) -> dict[str, Any]:
     lo, hi = schema.get("minItems", 0), min(schema.get("maxItems", len(values)), len(values))
-    subsets = [{"maxItems": 0}] if lo == 0 else []
+    subsets: list[dict[str, Any]] = [{"maxItems": 0}] if lo == 0 else []
     for n in range(max(lo, 1), hi + 1):
         subsets += [{"prefixItems": [{"const": v} for v in combo], "items": False, "minItems": n}
                     for combo in itertools.combinations(values, n)]

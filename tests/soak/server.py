@@ -21,7 +21,6 @@ if str(_TESTS) not in sys.path:
     sys.path.insert(0, str(_TESTS))
 
 import test_server_support as support  # noqa: E402
-
 from segue.async_engine import AsyncLLMEngine  # noqa: E402
 from segue.engine import LLMEngine  # noqa: E402
 from segue.executor.base import SampledToken  # noqa: E402

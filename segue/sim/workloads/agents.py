@@ -137,14 +137,15 @@ def add_agent_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     g.add_argument("--agents", type=int, default=None, help=f"number of agents (default: {d.num_agents})")
     g.add_argument("--arrival-window-s", type=float, default=None,
                    help=f"agents arrive uniformly over this window (default: {d.arrival_window_s:g})")
-    g.add_argument("--turns-min", type=int, default=None)
-    g.add_argument("--turns-max", type=int, default=None)
+    g.add_argument("--turns-min", type=int, default=None, help=f"fewest turns per agent (default: {d.turns_min})")
+    g.add_argument("--turns-max", type=int, default=None, help=f"most turns per agent (default: {d.turns_max})")
     g.add_argument("--output-tokens", type=int, default=None, help="tokens per turn (default: 32)")
-    g.add_argument("--tool-median-s", type=float, default=None)
+    g.add_argument("--tool-median-s", type=float, default=None,
+                   help=f"median tool time, log-normal (default: {d.tool_median_s:g})")
     g.add_argument("--tool-sigma", type=float, default=None, help="log-normal sigma of tool times")
-    g.add_argument("--tool-cap-s", type=float, default=None)
+    g.add_argument("--tool-cap-s", type=float, default=None, help=f"longest tool time (default: {d.tool_cap_s:g})")
     g.add_argument("--system-tokens", type=int, default=None, help="shared system prompt (tokens)")
     g.add_argument("--task-tokens", type=int, default=None, help="each agent's own task (tokens)")
     g.add_argument("--tool-result-tokens", type=int, default=None, help="each tool result (tokens)")
     if seed:
-        g.add_argument("--seed", type=int, default=None)
+        g.add_argument("--seed", type=int, default=None, help="seeds the agents' turns and tool times")

@@ -59,7 +59,7 @@ def load_infercept(path: str | Path | None = None, count_tokens: Callable[[str],
     for key, segs in data.items():
         first = segs[0]
         prompt = first["prompt_tokens"] if "prompt_tokens" in first else count(first["prompt"])
-        out = []
+        out: list[tuple[int, float | None, int]] = []
         for i, seg in enumerate(segs):
             gen = seg["completion_tokens"] if "completion_tokens" in seg else count(seg.get("completion", ""))
             last = i == len(segs) - 1 or "api_time" not in seg

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,7 +84,7 @@ class MooncakeTraceRequest(TraceRequest):
     the hash chain (not random), so prefix reuse in the engine is the trace's."""
     hash_ids: tuple[int, ...] = ()
 
-    def materialize(self, rng, vocab):  # type: ignore[override]
+    def materialize(self, rng: random.Random, vocab: tuple[int, int]) -> tuple[list[int], list[TraceSegment]]:
         lo, hi = vocab
         span = hi - lo
         prompt: list[int] = []

@@ -51,7 +51,8 @@ def add_workload_args(p: argparse.ArgumentParser, num_requests: int = 32, worklo
     g.add_argument("--num-requests", type=int, default=num_requests,
                    help=f"requests per run (default: {num_requests})")
     g.add_argument("--rates", type=_floats, default=[1.0], help="comma list of arrival rates in req/s (default: 1)")
-    g.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
+    g.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson",
+                   help="inter-arrival distribution (default: poisson)")
     g.add_argument("--cv", type=float, default=1.0, help="gamma arrivals' coefficient of variation (default: 1)")
     g.add_argument("--kinds", default=None,
                    help="infercept workloads: only these kinds (comma list of math, qa, ve, chatbot, tts, image)")

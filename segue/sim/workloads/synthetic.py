@@ -83,7 +83,7 @@ class SyntheticInfercept:
     def sample_one(self, kind: str, rng: np.random.Generator, key: str) -> TraceRequest:
         pool = self._pools[kind]
         n_int = int(rng.choice(pool.interceptions)) if pool.inner else 0
-        picks = rng.integers(0, len(pool.inner), size=n_int) if n_int else []
+        picks: list[int] = rng.integers(0, len(pool.inner), size=n_int).tolist() if n_int else []
         segments: list[tuple[int, float | None, int]] = [pool.inner[int(i)] for i in picks]
         segments.append((int(rng.choice(pool.final)), None, 0))
         return TraceRequest(key, kind, int(rng.choice(pool.prompts)), segments)
