@@ -117,7 +117,8 @@ class KVCacheManager(SwapMixin):
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest device-cached prefix of a request that holds no blocks yet, in whole blocks."""
-        if not self.enable_prefix_caching or request.request_id in self.tables or request.request_id in self.host_tables:
+        rid = request.request_id
+        if not self.enable_prefix_caching or rid in self.tables or rid in self.host_tables:
             return [], 0
         self._update_block_hashes(request)
         hits: list[KVBlock] = []

@@ -93,8 +93,8 @@ class SwapMixin:
         if self._backed_up:
             # Now cached in the host tier, owned by no one; a block evicted with an expected reuse
             # keeps it there, so both tiers evict in the same order.
-            plain = [b for b, k in zip(self._backed_up, self._backed_up_keys) if k is None]
-            hinted = [(b, k) for b, k in zip(self._backed_up, self._backed_up_keys) if k is not None]
+            plain = [b for b, k in zip(self._backed_up, self._backed_up_keys, strict=True) if k is None]
+            hinted = [(b, k) for b, k in zip(self._backed_up, self._backed_up_keys, strict=True) if k is not None]
             if plain:
                 self.host.free(plain)
             if hinted:

@@ -163,7 +163,8 @@ class Admission:
         hits, num_hit = ([], 0)
         if req.num_computed_tokens == 0:
             hits, num_hit = sched.kv.get_computed_blocks(req)
-            if self.committed is not None and self.blocked is None and not sched.kv.num_device_blocks_of(req.request_id):
+            holds_kv = sched.kv.num_device_blocks_of(req.request_id) > 0
+            if self.committed is not None and self.blocked is None and not holds_kv:
                 alone = not (self.scheduled or sched.running)
                 if not fits_beside_agents(sched, req, hits, self.committed, alone):
                     # A starving head keeps the memory that frees up for itself (head-of-line)

@@ -89,7 +89,7 @@ def mean_cost_model(a: CostModel, b: CostModel, source: str) -> CostModel:
     if a.fwd_curve_ms or b.fwd_curve_ms:
         if not (a.fwd_curve_ms and b.fwd_curve_ms) or [p[0] for p in a.fwd_curve_ms] != [p[0] for p in b.fwd_curve_ms]:
             raise ValueError("profiles with different step-time curves cannot be averaged")
-        curve = [[p[0], (p[1] + q[1]) / 2] for p, q in zip(a.fwd_curve_ms, b.fwd_curve_ms)]
+        curve = [[p[0], (p[1] + q[1]) / 2] for p, q in zip(a.fwd_curve_ms, b.fwd_curve_ms, strict=True)]
     return CostModel(fwd_ms_per_token=(a.fwd_ms_per_token + b.fwd_ms_per_token) / 2,
                      fwd_base_ms=(a.fwd_base_ms + b.fwd_base_ms) / 2, fwd_curve_ms=curve,
                      fwd_ms_per_context_token=(a.fwd_ms_per_context_token + b.fwd_ms_per_context_token) / 2,

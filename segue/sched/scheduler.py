@@ -272,12 +272,13 @@ class Scheduler(SchedulerState):
             assert req.request_id not in self.kv.host_tables, f"{req.request_id} waits with KV on the host"
         holders = {r.request_id for r in self.waiting if self.kv.num_device_blocks_of(r.request_id)}
         assert holders == {r.request_id for r in self.waiting_holders()}, "waiting holders misfound"
-        for rid, req in self.paused.paused.items():
+        for req in self.paused.paused.values():
             assert req.status == RequestStatus.INTERCEPTED and req.interception is not None
         for req in self.paused.swapped:
             assert req.status == RequestStatus.SWAPPED and req.request_id in self.kv.host_tables
         for rid in self.kv.host_tables:
             req = self.requests[rid]
-            assert req.status in (RequestStatus.INTERCEPTED, RequestStatus.SWAPPED), f"{rid}: host KV while {req.status}"
+            assert req.status in (RequestStatus.INTERCEPTED, RequestStatus.SWAPPED), \
+                f"{rid}: host KV while {req.status}"
             held = self.kv.num_device_blocks_of(rid) + self.kv.num_host_blocks_of(rid)
             assert held * self.kv.block_size >= req.num_computed_tokens, f"{rid}: KV lost between the tiers"

@@ -5,8 +5,7 @@ from the time paused so far, so a preserved request can later be swapped or disc
 from __future__ import annotations
 
 from segue.request import Disposition
-from segue.sched.interception.base import (Decision, InterceptionPolicy, PausedRequest, StepState,
-                                          estimated_duration)
+from segue.sched.interception.base import Decision, InterceptionPolicy, PausedRequest, StepState, estimated_duration
 
 
 def waste_preserve(p: PausedRequest, state: StepState) -> float:
