@@ -114,10 +114,12 @@ class Scheduler(SchedulerState):
         # One budget for every copy of the step: the paused requests' swaps are planned first,
         # then host-tier hits, preemptive swap-outs and write-backs of evicted cached blocks
         # take what is left, in the order the step reaches them.
-        if self.agents is not None and self.paused.swapped:
-            # A resumed request whose context waits on the host is back now; a retained history
-            # is only expected back: it gives the swap-in room (else, with nothing running, the
-            # pool would sit idle until it expired).
+        if self.agents is not None and self.paused.swapped and not self.running:
+            # Nothing runs, so nothing else will free memory for the swap-in that waits: a
+            # retained history gives it room rather than the pool idling until the history
+            # expires. (With requests running, swap-ins wait for memory as other requests do:
+            # taking it from retained histories there cascaded, each history loaded back from the
+            # host taking the next one's room; pressure preset, real engine.)
             head = self.paused.swapped[0].request_id
             short = self.kv.num_host_blocks_of(head) + keep_free - self.kv.num_free_blocks
             if short > 0:
