@@ -9,10 +9,14 @@ from typing import Any
 
 from segue.config import EngineConfig
 from segue.detokenizer import IncrementalDetokenizer
+from segue.engine_reports import engine_stats, load_report
+from segue.engine_stats import EngineStats, LoadReport
 from segue.executor.base import Executor
 from segue.executor.loading import engine_cost_model, load_model
 from segue.generation_defaults import generation_defaults
+from segue.input_processor import InputProcessor
 from segue.kv.manager import KVCacheManager
+from segue.model_info import ModelInfo
 from segue.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from segue.predict import OnlinePredictors
 from segue.request import Request, RequestStatus
@@ -70,15 +74,17 @@ class LLMEngine:
         self.generation_defaults = generation_defaults(config.model.model, config.model.generation_config)
         self.num_steps = 0
         self.last_step_idle = True
+        self.info = ModelInfo(self.model_name, self.max_model_len, model_config.vocab_size, chat_template,
+                              tokenizer, dict(self.generation_defaults))
+        self.inputs = InputProcessor(self.info)
 
     # ---- requests ------------------------------------------------------------------------
+    def model_info(self) -> ModelInfo:
+        return self.info
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
-        if not self.chat_template:
-            raise InvalidRequestError(f"model {self.model_name} has no chat template; use completions")
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, chat_template=self.chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt)
+        return self.inputs.apply_chat_template(messages, add_generation_prompt, tools)
 
     @property
     def grammars(self) -> Any:
@@ -101,7 +107,10 @@ class LLMEngine:
         return self.grammars.compile(params.structured)
 
     def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.inputs.encode(prompt)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.inputs.decode(token_ids)
 
     def make_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                      arrival_time: float | None = None, priority: int = 0,
@@ -109,21 +118,8 @@ class LLMEngine:
                      cache_salt: str | None = None, expected_tool_s: float | None = None,
                      latency_sensitive: bool = True) -> RequestState:
         """Validate and tokenize without touching engine state (safe from any thread)."""
-        params.validate()
+        text, token_ids = self.inputs.process(prompt, params)
         request_id = request_id or uuid.uuid4().hex
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens but this model's context window is "
-                f"{self.max_model_len} tokens (prompt plus at least one generated token)")
         now = time.monotonic() if arrival_time is None else arrival_time
         request = Request(request_id, token_ids, params, now, self.model_config.eos_token_ids,
                           priority=priority, program_id=program_id, cache_salt=cache_salt,
@@ -250,6 +246,33 @@ class LLMEngine:
         if state is None or state.request.interception is None:
             return None
         return list(state.request.all_token_ids)
+
+    def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> bool:
+        """A program call's objective changed; False if the request is not here (yet)."""
+        state = self._states.get(request_id)
+        if state is not None:
+            state.request.latency_sensitive = latency_sensitive
+        return state is not None
+
+    def set_tool_parser(self, request_id: str, parser: Any) -> None:
+        """The caller re-armed its tool-call parser between turns (a copy of it lives here)."""
+        state = self._states.get(request_id)
+        if state is not None:
+            state.tool_parser = parser
+
+    # ---- what callers may read ---------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return engine_stats(self.scheduler, self.waste, self.num_steps, self.tool_stats, self.predictors)
+
+    def load_report(self) -> LoadReport:
+        return load_report(self.scheduler)
+
+    def num_held_blocks(self) -> int:
+        """KV blocks held by requests (running, waiting with blocks, paused): 0 once all are gone."""
+        return self.scheduler.kv.num_held_blocks()
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._states)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

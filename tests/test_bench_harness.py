@@ -253,7 +253,7 @@ def test_serving_rows_drive_a_url(live_server):
 
     url, app = live_server
     model = httpx.get(url + "/models").json()["data"][0]["id"]
-    vocab = app.state.serving.engine.engine.model_config.vocab_size
+    vocab = app.state.serving.engine.model_info().vocab_size
     load = asyncio.run(run_row(url, model, "load", vocab, 0, RowShape(6, 20, 5)))
     assert (load.errors, load.input_tokens, load.output_tokens) == (0, 120, 30)
     single = asyncio.run(run_row(url, model, "single", vocab, 0, RowShape(2, 20, 5, concurrency=1)))
