@@ -14,6 +14,7 @@ from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerCo
 from segue.engine import LLMEngine
 from segue.sampling_params import SamplingParams
 from segue.sched.interception import INTERCEPTION_POLICIES
+from segue.sim.script import scripted
 from segue.trace import TraceSegment
 
 
@@ -56,7 +57,7 @@ def test_pause_resume_equals_uninterrupted_generation(tiny, policy):
     path, model = tiny
     engine = make_engine(path, policy)
     batch = list(scripts(7, 5))
-    ids = [engine.add_request(None, p, SamplingParams(temperature=0), script=s).request_id for p, s in batch]
+    ids = [scripted(engine).add_request(None, p, SamplingParams(temperature=0), script=s).request_id for p, s in batch]
     results = run_to_completion(engine)
     for rid, (prompt, script) in zip(ids, batch, strict=True):
         assert results[rid].outputs[0].token_ids == reference(model, prompt, script), policy
@@ -79,7 +80,7 @@ def test_dispositions_really_happen(tiny):
             return execute(out)
         engine.executor.execute = counting
         for prompt, script in scripts(3, 3):
-            engine.add_request(None, prompt, SamplingParams(temperature=0), script=script)
+            scripted(engine).add_request(None, prompt, SamplingParams(temperature=0), script=script)
         run_to_completion(engine)
         seen[policy] = (copies, engine.waste.totals)
     # Coming back, a block the device cache still holds is shared again instead of copied.
@@ -93,8 +94,9 @@ def test_abort_while_paused_and_while_swapped_frees_everything(tiny):
     engine = make_engine(path, "swap")
     prompt = list(range(1000, 1030))
     greedy = SamplingParams(temperature=0)
-    engine.add_request("a", prompt, greedy, script=[TraceSegment(2, 10.0, [5, 6]), TraceSegment(3)])
-    engine.add_request("b", prompt[::-1], greedy, script=[TraceSegment(2, 10.0, [7]), TraceSegment(3)])
+    scripts = scripted(engine)
+    scripts.add_request("a", prompt, greedy, script=[TraceSegment(2, 10.0, [5, 6]), TraceSegment(3)])
+    scripts.add_request("b", prompt[::-1], greedy, script=[TraceSegment(2, 10.0, [7]), TraceSegment(3)])
     while engine.scheduler.paused.paused.keys() != {"a", "b"}:
         engine.step()
         engine.check_invariants()
@@ -114,8 +116,8 @@ def test_script_that_outgrows_the_context_ends_alone(tiny):
     path, _ = tiny
     engine = make_engine(path, "preserve")  # tiny model: 512-token context
     engine.add_request("plain", list(range(1000, 1010)), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    engine.add_request("r", [1000] * 400, SamplingParams(temperature=0),
-                       script=[TraceSegment(10, 0.0, [2000] * 200, kind="tool"), TraceSegment(5)])
+    scripted(engine).add_request("r", [1000] * 400, SamplingParams(temperature=0),
+                                 script=[TraceSegment(10, 0.0, [2000] * 200, kind="tool"), TraceSegment(5)])
     results = run_to_completion(engine)
     assert results["r"].outputs[0].finish_reason == "length"
     assert results["plain"].outputs[0].finish_reason == "length"
@@ -128,8 +130,8 @@ def test_host_tier_hit_loads_real_kv(tiny):
     path, model = tiny
     engine = make_engine(path, "swap")
     prompt = list(range(2000, 2030))
-    engine.add_request("a", prompt, SamplingParams(temperature=0),
-                       script=[TraceSegment(3, 60.0, [7]), TraceSegment(2)])
+    scripted(engine).add_request("a", prompt, SamplingParams(temperature=0),
+                                 script=[TraceSegment(3, 60.0, [7]), TraceSegment(2)])
     kv = engine.scheduler.kv
     for _ in range(50):
         engine.step()
