@@ -146,9 +146,9 @@ def test_compare_on_simulator_writes_json_md_png(tmp_path):
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory) -> Iterator[tuple[str, object]]:
     from segue.server.app import create_app
-    from test_server_support import ServerThread, make_engine
+    from test_server_support import ServerThread, make_async_engine
 
-    engine = make_engine(tmp_path_factory.mktemp("harness"), context=1024)
+    engine = make_async_engine(tmp_path_factory.mktemp("harness"), context=1024)
     app = create_app(engine)
     with ServerThread(app) as server:
         yield server.url + "/v1", app

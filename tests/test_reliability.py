@@ -95,7 +95,7 @@ def test_engine_progresses_when_held_contexts_fill_the_pool(tmp_path: pathlib.Pa
 @pytest.fixture(scope="module")
 def fuzz_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AsyncLLMEngine]:
     # A 512-token context bounds how long any accepted request can generate.
-    engine = support.make_engine(tmp_path_factory.mktemp("fuzz"), "min-waste", context=512)
+    engine = support.make_async_engine(tmp_path_factory.mktemp("fuzz"), "min-waste", context=512)
     yield engine
     support.shutdown(engine)
 
