@@ -1,8 +1,9 @@
 """Asyncio front of the engine: the step loop runs on its own thread, callers stream outputs.
 
-Callers never touch engine state directly. Validation and tokenization run in the caller's
-worker thread; adds and aborts are queued and applied by the loop thread between steps, so a
-long step never blocks the event loop and no lock is held across a forward pass.
+AsyncLLMEngine is an EngineClient (engine_client.py). Callers never touch engine state directly.
+Validation and tokenization run in the caller's worker thread; adds, aborts and the paused-request
+methods are queued and applied by the loop thread between steps, so a long step never blocks the
+event loop and no lock is held across a forward pass.
 """
 from __future__ import annotations
 
@@ -11,18 +12,21 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from typing import AsyncGenerator, Callable
+from typing import Any, AsyncGenerator, Callable, TypeVar
 
 from segue.config import EngineConfig
 from segue.engine import LLMEngine
+from segue.engine_client import EngineDeadError
+from segue.engine_stats import EngineStats, LoadReport
+from segue.model_info import ModelInfo
 from segue.outputs import RequestOutput
 from segue.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "build_off_caller_thread", "remember_early"]
 
-class EngineDeadError(RuntimeError):
-    pass
+T = TypeVar("T")
 
 
 def remember_early(early: dict[str, bool], request_id: str, latency_sensitive: bool, limit: int = 10_000) -> None:
@@ -77,15 +81,35 @@ class AsyncLLMEngine:
     def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
         return cls(build_off_caller_thread(lambda: LLMEngine(config)))
 
-    # ---- public API ----------------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None, **hints) -> AsyncGenerator[RequestOutput, None]:
+    # ---- the model (EngineClient) ------------------------------------------------------------
+    def model_info(self) -> ModelInfo:
+        return self.engine.model_info()
+
+    def encode(self, text: str) -> list[int]:
+        return self.engine.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.engine.decode(token_ids)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        return self.engine.apply_chat_template(messages, add_generation_prompt, tools)
+
+    # ---- requests (EngineClient) ---------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
+                       priority: int = 0, program_id: str | None = None, tool_parser: Any = None,
+                       cache_salt: str | None = None, expected_tool_s: float | None = None,
+                       latency_sensitive: bool = True,
+                       task_group: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Yields the cumulative output after every new token; the last one has finished=True.
         Leaving the iterator early (client disconnect, cancellation) aborts the request, unless
-        it was detach()ed. hints: priority, program_id, tool_parser (see LLMEngine.make_request)."""
+        it was detach()ed. One engine has nowhere to place a task group: it is ignored."""
+        del task_group
         self._check_alive()
         loop = asyncio.get_running_loop()
-        state = await loop.run_in_executor(None, lambda: self.engine.make_request(request_id, prompt, params, **hints))
+        state = await loop.run_in_executor(None, lambda: self.engine.make_request(
+            request_id, prompt, params, priority=priority, program_id=program_id, tool_parser=tool_parser,
+            cache_salt=cache_salt, expected_tool_s=expected_tool_s, latency_sensitive=latency_sensitive))
         self._check_alive()
         rid = state.request.request_id
         if rid in self._streams:
@@ -179,12 +203,37 @@ class AsyncLLMEngine:
         the reduce that makes them a task group): the scheduler's latency capacity reads the new
         objective from the next step on. A request still on its way in gets it when added."""
         def op() -> None:
-            request = self.engine.scheduler.requests.get(request_id)
-            if request is not None:
-                request.latency_sensitive = latency_sensitive
-            else:  # bounded: an update for a request that already left is never claimed
+            if not self.engine.set_latency_sensitive(request_id, latency_sensitive):
+                # Bounded: an update for a request that already left is never claimed.
                 remember_early(self._early_objectives, request_id, latency_sensitive)
         self._submit(op)
+
+    def set_tool_hint(self, name: str, seconds: float | None) -> None:
+        # DurationStats takes its own lock: no need to wait for the engine thread.
+        self.engine.tool_stats.set_hint(name, seconds)
+
+    async def set_tool_parser(self, request_id: str, parser: Any) -> None:
+        await self._on_loop(LLMEngine.set_tool_parser, request_id, parser)
+
+    # ---- paused requests and stats (EngineClient) -------------------------------------------
+    async def held_token_ids(self, request_id: str) -> list[int] | None:
+        return await self._on_loop(LLMEngine.paused_token_ids, request_id)
+
+    async def expect_resume(self, request_id: str, after_s: float) -> bool:
+        return await self._on_loop(LLMEngine.expect_resume, request_id, after_s)
+
+    async def abandon(self, request_id: str) -> bool:
+        return await self._on_loop(LLMEngine.abandon, request_id)
+
+    async def get_stats(self) -> EngineStats:
+        return await self._on_loop(LLMEngine.stats)
+
+    def load_report(self) -> LoadReport:
+        """The queues and KV pool now, read without waiting for the engine thread (a routing hint)."""
+        return self.engine.load_report()
+
+    async def _on_loop(self, method: Callable[..., T], *args: Any) -> T:
+        return await self.run_sync(lambda engine: method(engine, *args))
 
     def forget_program(self, program_id: str) -> None:
         """A program or session ended. One engine keeps no placement for it (its KV goes with its
@@ -217,7 +266,8 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     def run_sync(self, fn: Callable[[LLMEngine], object]) -> "asyncio.Future":
-        """Run fn(engine) on the loop thread between steps (for stats and invariant checks)."""
+        """Run fn(engine) on the loop thread between steps. Not part of EngineClient: for tests,
+        benchmarks and invariant checks that look inside one engine."""
         self._check_alive()
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
@@ -290,7 +340,7 @@ class AsyncLLMEngine:
                 outputs = self.engine.step()
             except Exception as e:
                 logger.exception("engine step failed; aborting all requests")
-                for rid in list(self.engine.scheduler.requests):
+                for rid in self.engine.unfinished_request_ids():
                     self.engine.abort_request(rid)
                     self._deliver(e, rid)
                 continue

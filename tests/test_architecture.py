@@ -16,14 +16,17 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("segue.sampling_params", "segue.outputs", "segue.request", "segue.request_state",
                     "segue.trace", "segue.config", "segue.engine_args", "segue.detokenizer", "segue.tools",
-                    "segue.structured.spec", "segue.generation_defaults")),
+                    "segue.structured.spec", "segue.generation_defaults", "segue.model_info",
+                    "segue.input_processor")),
     ("structured", ("segue.structured",)),
     ("kv", ("segue.kv",)),
     ("sched", ("segue.sched",)),
     ("model", ("segue.model",)),
     ("executor", ("segue.executor",)),
     ("predict", ("segue.predict",)),
-    ("engine", ("segue.engine", "segue.profiler")),
+    ("client", ("segue.engine_stats", "segue.engine_client")),
+    ("engine", ("segue.engine", "segue.engine_hooks", "segue.engine_outputs", "segue.engine_reports",
+                "segue.engine_scheduler", "segue.profiler")),
     ("async", ("segue.async_engine", "segue.llm")),
     ("cluster", ("segue.cluster",)),
     ("program", ("segue.program",)),
@@ -162,6 +165,77 @@ def test_layer_order_is_the_documented_one():
     stated = [line.split("`")[1] for line in doc.splitlines() if line.startswith("| ") and line.count("`") >= 2
               and line.split("`")[1] in {name for name, _ in LAYERS}]
     assert stated == [name for name, _ in LAYERS], "docs/ARCHITECTURE.md's layer table and LAYERS disagree"
+
+
+# What the server may import of the layers up to the cluster (the engine side): the EngineClient
+# seam and the plain data that crosses it, the tool and constraint vocabulary it builds requests
+# from. Everything else (engine, scheduler, KV, executors, predictors, async engine, cluster) is
+# reached through an EngineClient only. launch.py is the composition root: it builds the engine
+# (segue.cluster.build_engine, from an EngineConfig) and hands the app an EngineClient.
+SERVER_MAY_IMPORT = ("segue.engine_client", "segue.engine_stats", "segue.model_info", "segue.outputs",
+                     "segue.sampling_params", "segue.tools", "segue.structured")
+COMPOSITION_ROOTS = ("segue.server.launch",)
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _layer_index(name: str) -> int:
+    return [n for n, _ in LAYERS].index(name)
+
+
+def server_imports_past_the_seam(graph: dict[str, set[str]]) -> list[str]:
+    engine_side = _layer_index("cluster")
+    bad = []
+    for module, targets in sorted(graph.items()):
+        if not _within(module, ("segue.server",)) or _within(module, COMPOSITION_ROOTS):
+            continue
+        for target in sorted(targets):
+            layer = layer_of(target)
+            if layer is not None and layer <= engine_side and not _within(target, SERVER_MAY_IMPORT):
+                bad.append(f"{module} imports {target}")
+    return bad
+
+
+def test_server_talks_to_the_engine_only_through_engine_client():
+    bad = server_imports_past_the_seam(import_graph())
+    assert not bad, ("segue/server reaches past the EngineClient seam (add a method to segue/engine_client.py, "
+                     "or the module to SERVER_MAY_IMPORT if it is plain data):\n" + "\n".join(bad))
+
+
+def engine_imports_of_simulation(graph: dict[str, set[str]]) -> list[str]:
+    """The engine's step loop serves requests; trace replay and oracle predictions belong to the
+    simulator (segue/sim), which drives the engine through its public methods and hooks."""
+    engine = _layer_index("engine")
+    return [f"{module} imports {target}" for module, targets in sorted(graph.items())
+            if layer_of(module) is not None and layer_of(module) <= engine
+            for target in sorted(targets) if _within(target, ("segue.sim",))]
+
+
+def test_engine_is_free_of_simulation():
+    bad = engine_imports_of_simulation(import_graph())
+    assert not bad, "the engine imports the simulator:\n" + "\n".join(bad)
+
+
+def test_engine_functions_are_short():
+    """The step loop reads as its phases: no function of segue/engine.py (or the modules split off
+    it) is over 60 lines."""
+    long = []
+    for path in sorted((ROOT / "segue").glob("engine*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{path.name}: {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, f"functions over 60 lines: {long}"
+
+
+def test_seam_checks_catch_violations():
+    """The two checks above, on made-up graphs: each flags exactly the import it exists for."""
+    graph = {"segue.server.chat_start": {"segue.engine_client", "segue.sched.scheduler", "segue.outputs"},
+             "segue.server.launch": {"segue.cluster"},
+             "segue.engine": {"segue.sim.script", "segue.sched.scheduler"}}
+    assert server_imports_past_the_seam(graph) == ["segue.server.chat_start imports segue.sched.scheduler"]
+    assert engine_imports_of_simulation(graph) == ["segue.engine imports segue.sim.script"]
 
 
 @pytest.mark.parametrize("graph,expected", [

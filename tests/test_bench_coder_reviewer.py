@@ -8,7 +8,7 @@ import pytest
 
 from segue.bench.program_workloads import coder_reviewer_baseline, coder_reviewer_program
 from segue.server.app import create_app
-from test_server_support import ServerThread, make_engine, shutdown, wait_idle
+from test_server_support import ServerThread, make_async_engine, shutdown, wait_idle
 
 ROUNDS, N = 2, 4
 # About 460 tokens: many KV blocks of shared context, well within the tiny model's 2048-token context.
@@ -17,7 +17,7 @@ TASK = "Implement the stream decoder described here. " + " ".join(f"step{i} chec
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
-    engine = make_engine(tmp_path_factory.mktemp("coder-reviewer"))
+    engine = make_async_engine(tmp_path_factory.mktemp("coder-reviewer"))
     with ServerThread(create_app(engine)) as s:
         yield s.url, engine
     shutdown(engine)

@@ -146,9 +146,9 @@ def test_compare_on_simulator_writes_json_md_png(tmp_path):
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory) -> Iterator[tuple[str, object]]:
     from segue.server.app import create_app
-    from test_server_support import ServerThread, make_engine
+    from test_server_support import ServerThread, make_async_engine
 
-    engine = make_engine(tmp_path_factory.mktemp("harness"), context=1024)
+    engine = make_async_engine(tmp_path_factory.mktemp("harness"), context=1024)
     app = create_app(engine)
     with ServerThread(app) as server:
         yield server.url + "/v1", app
@@ -253,7 +253,7 @@ def test_serving_rows_drive_a_url(live_server):
 
     url, app = live_server
     model = httpx.get(url + "/models").json()["data"][0]["id"]
-    vocab = app.state.serving.engine.engine.model_config.vocab_size
+    vocab = app.state.serving.engine.model_info().vocab_size
     load = asyncio.run(run_row(url, model, "load", vocab, 0, RowShape(6, 20, 5)))
     assert (load.errors, load.input_tokens, load.output_tokens) == (0, 120, 30)
     single = asyncio.run(run_row(url, model, "single", vocab, 0, RowShape(2, 20, 5, concurrency=1)))

@@ -27,7 +27,6 @@ from segue.engine import LLMEngine
 from segue.outputs import RequestOutput
 from segue.sampling_params import InvalidRequestError, SamplingParams
 from segue.server.app import create_app
-from segue.server.metrics import engine_snapshot
 from segue.tools.spec import ToolCall
 from test_server_support import ServerThread
 
@@ -264,23 +263,23 @@ def test_server_over_the_pool(pool: EnginePool) -> None:
     app = create_app(pool)  # type: ignore[arg-type]  (the pool presents the engine interface)
     with ServerThread(app) as server:
         assert httpx.get(server.url + "/health").json() == {"status": "ok"}
-        body = {"model": pool.engine.model_name, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+        body = {"model": pool.model_info().model_name, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
                 "messages": [{"role": "user", "content": "Hello from the router test."}]}
         reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
         assert reply["usage"]["completion_tokens"] == 5
         metrics = httpx.get(server.url + "/metrics").text
         total = [line for line in metrics.splitlines()
                  if line.startswith('segue_kv_blocks{kind="total",pool="device"}')]
-        blocks = [asyncio.run(r.run_sync(engine_snapshot))["device_blocks"][1] for r in pool.replicas]
+        blocks = [asyncio.run(r.get_stats()).device_blocks_total for r in pool.replicas]
         assert total and float(total[0].split()[-1]) == sum(blocks) > 0  # summed over the replicas
     assert_idle(pool)
 
 
 def test_snapshot_dead_replica_and_shutdown(pool: EnginePool) -> None:
-    snap = asyncio.run(pool.run_sync(engine_snapshot))
-    per = [asyncio.run(r.run_sync(engine_snapshot)) for r in pool.replicas]
-    assert snap["steps"] == sum(p["steps"] for p in per) > 0
-    assert snap["device_blocks"][1] == sum(p["device_blocks"][1] for p in per)
+    snap = asyncio.run(pool.get_stats())
+    per = [asyncio.run(r.get_stats()) for r in pool.replicas]
+    assert snap.steps == sum(p.steps for p in per) > 0
+    assert snap.device_blocks_total == sum(p.device_blocks_total for p in per)
     assert pool.is_running
 
     # A replica dies: /health reports it, and new requests go to the survivor.

@@ -99,7 +99,7 @@ def health(server: ServerThread) -> int:
 
 
 def test_killed_replica_restarts_and_forgets_its_cache(pool: EnginePool) -> None:
-    pool.engine.tool_stats.set_hint("lookup", 2.5)
+    pool.set_tool_hint("lookup", 2.5)
     home, _ = one(pool, SYSTEM + "First question?", "r-1", program_id="sess-Q")
     other = 1 - home
     owner, _ = one(pool, SYSTEM + "Second question?", "r-2", program_id="sess-P")

@@ -2,15 +2,16 @@
 loaded through the real loader, across batching, chunked prefill, prefix hits and preemption."""
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 import torch
 import transformers
 
+import engine_helpers
 from conftest import make_tiny_checkpoint
 from engine_helpers import hf_greedy, run_to_completion
-from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
 from segue.engine import LLMEngine
 from segue.sampling_params import SamplingParams
 
@@ -24,20 +25,8 @@ def tiny(request, tmp_path_factory):
     return path, model
 
 
-def make_engine(path, *, block_size=16, kv_tokens=4096, budget=256, max_seqs=32, caching=True,
-                torch_attention=False) -> LLMEngine:
-    config = EngineConfig(
-        model=ModelLoadConfig(model=str(path), dtype="float32", device="cpu", quantization="none"),
-        cache=CacheConfig(block_size=block_size, kv_cache_tokens=kv_tokens, enable_prefix_caching=caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
-    )
-    engine = LLMEngine(config)
-    if torch_attention:
-        # The pure torch forward (what CUDA runs): no native attention, no fused elementwise ops.
-        engine.executor.decode_kernel = None
-        engine.executor.prefill_kernel = None
-        engine.executor.model.kernels = None
-    return engine
+# Unquantized, so outputs compare with transformers' token for token; a small step budget.
+make_engine = functools.partial(engine_helpers.make_engine, budget=256, max_seqs=32, quantization="none")
 
 
 def prompts(seed: int, n: int, shared_prefix: int = 0) -> list[list[int]]:
@@ -80,7 +69,7 @@ def test_prefix_cache_hits(tiny):
 def test_preemption_with_recompute(tiny):
     path, model = tiny
     # 24 blocks of 4 tokens cannot hold eight growing sequences at once: some get preempted.
-    engine = make_engine(path, block_size=4, kv_tokens=96, budget=64, caching=False)
+    engine = make_engine(path, block_size=4, kv_tokens=96, budget=64, prefix_caching=False)
     batch = [p[:60] for p in prompts(3, 8)]
     check_against_hf(engine, model, batch)
     assert engine.scheduler.num_preemptions_total > 0

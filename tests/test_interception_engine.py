@@ -2,18 +2,20 @@
 over the same context, whatever happens to the KV while paused."""
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 import torch
 import transformers
 
+import engine_helpers
 from conftest import make_tiny_checkpoint
 from engine_helpers import hf_greedy, run_to_completion
-from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
-from segue.engine import LLMEngine
+from segue.config import CacheConfig, EngineConfig
 from segue.sampling_params import SamplingParams
 from segue.sched.interception import INTERCEPTION_POLICIES
+from segue.sim.script import scripted
 from segue.trace import TraceSegment
 
 
@@ -24,11 +26,9 @@ def tiny(tmp_path_factory):
     return path, model
 
 
-def make_engine(path, policy: str, kv_tokens: int = 2048) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        model=ModelLoadConfig(model=str(path), dtype="float32", device="cpu", quantization="none"),
-        cache=CacheConfig(block_size=4, kv_cache_tokens=kv_tokens, swap_space_tokens=4096),
-        scheduler=SchedulerConfig(max_num_batched_tokens=48, interception_policy=policy)))
+# Small blocks and step budget, so a few short requests already preempt, pause and swap.
+make_engine = functools.partial(engine_helpers.make_engine, block_size=4, kv_tokens=2048, swap_tokens=4096,
+                                budget=48, quantization="none")
 
 
 def reference(model, prompt: list[int], script: list[TraceSegment]) -> list[int]:
@@ -54,9 +54,9 @@ def scripts(seed: int, n: int):
 @pytest.mark.parametrize("policy", sorted(INTERCEPTION_POLICIES))
 def test_pause_resume_equals_uninterrupted_generation(tiny, policy):
     path, model = tiny
-    engine = make_engine(path, policy)
+    engine = make_engine(path, policy=policy)
     batch = list(scripts(7, 5))
-    ids = [engine.add_request(None, p, SamplingParams(temperature=0), script=s).request_id for p, s in batch]
+    ids = [scripted(engine).add_request(None, p, SamplingParams(temperature=0), script=s).request_id for p, s in batch]
     results = run_to_completion(engine)
     for rid, (prompt, script) in zip(ids, batch, strict=True):
         assert results[rid].outputs[0].token_ids == reference(model, prompt, script), policy
@@ -69,7 +69,7 @@ def test_dispositions_really_happen(tiny):
     path, _ = tiny
     seen = {}
     for policy in ("swap", "discard", "preserve"):
-        engine = make_engine(path, policy)
+        engine = make_engine(path, policy=policy)
         copies = {"out": 0, "in": 0}
         execute = engine.executor.execute
 
@@ -79,7 +79,7 @@ def test_dispositions_really_happen(tiny):
             return execute(out)
         engine.executor.execute = counting
         for prompt, script in scripts(3, 3):
-            engine.add_request(None, prompt, SamplingParams(temperature=0), script=script)
+            scripted(engine).add_request(None, prompt, SamplingParams(temperature=0), script=script)
         run_to_completion(engine)
         seen[policy] = (copies, engine.waste.totals)
     # Coming back, a block the device cache still holds is shared again instead of copied.
@@ -90,11 +90,12 @@ def test_dispositions_really_happen(tiny):
 
 def test_abort_while_paused_and_while_swapped_frees_everything(tiny):
     path, _ = tiny
-    engine = make_engine(path, "swap")
+    engine = make_engine(path, policy="swap")
     prompt = list(range(1000, 1030))
     greedy = SamplingParams(temperature=0)
-    engine.add_request("a", prompt, greedy, script=[TraceSegment(2, 10.0, [5, 6]), TraceSegment(3)])
-    engine.add_request("b", prompt[::-1], greedy, script=[TraceSegment(2, 10.0, [7]), TraceSegment(3)])
+    scripts = scripted(engine)
+    scripts.add_request("a", prompt, greedy, script=[TraceSegment(2, 10.0, [5, 6]), TraceSegment(3)])
+    scripts.add_request("b", prompt[::-1], greedy, script=[TraceSegment(2, 10.0, [7]), TraceSegment(3)])
     while engine.scheduler.paused.paused.keys() != {"a", "b"}:
         engine.step()
         engine.check_invariants()
@@ -112,10 +113,10 @@ def test_abort_while_paused_and_while_swapped_frees_everything(tiny):
 
 def test_script_that_outgrows_the_context_ends_alone(tiny):
     path, _ = tiny
-    engine = make_engine(path, "preserve")  # tiny model: 512-token context
+    engine = make_engine(path, policy="preserve")  # tiny model: 512-token context
     engine.add_request("plain", list(range(1000, 1010)), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    engine.add_request("r", [1000] * 400, SamplingParams(temperature=0),
-                       script=[TraceSegment(10, 0.0, [2000] * 200, kind="tool"), TraceSegment(5)])
+    scripted(engine).add_request("r", [1000] * 400, SamplingParams(temperature=0),
+                                 script=[TraceSegment(10, 0.0, [2000] * 200, kind="tool"), TraceSegment(5)])
     results = run_to_completion(engine)
     assert results["r"].outputs[0].finish_reason == "length"
     assert results["plain"].outputs[0].finish_reason == "length"
@@ -126,10 +127,10 @@ def test_host_tier_hit_loads_real_kv(tiny):
     """Another request's prefix found only in the host tier is copied back by the torch executor
     and generates exactly what a cold run of that request generates."""
     path, model = tiny
-    engine = make_engine(path, "swap")
+    engine = make_engine(path, policy="swap")
     prompt = list(range(2000, 2030))
-    engine.add_request("a", prompt, SamplingParams(temperature=0),
-                       script=[TraceSegment(3, 60.0, [7]), TraceSegment(2)])
+    scripted(engine).add_request("a", prompt, SamplingParams(temperature=0),
+                                 script=[TraceSegment(3, 60.0, [7]), TraceSegment(2)])
     kv = engine.scheduler.kv
     for _ in range(50):
         engine.step()

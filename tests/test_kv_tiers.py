@@ -20,6 +20,7 @@ from segue.sched.interception import INTERCEPTION_POLICIES, make_interception_po
 from segue.sched.policies import make_policy
 from segue.sched.scheduler import Scheduler
 from segue.sim.engine import make_sim_engine
+from segue.sim.script import scripted
 from segue.trace import TraceSegment
 from test_interception_sched import FakeKVExecutor
 
@@ -227,8 +228,8 @@ def test_agents_sharing_a_system_prompt_in_the_simulator(policy, order):
     for a in range(10):
         script = [TraceSegment(8, rng.uniform(0.5, 3.0), [rng.randrange(1000, 40000) for _ in range(60)], kind="tool")
                   for _ in range(rng.randint(2, 4))] + [TraceSegment(8, 20.0, [1]), TraceSegment(1)]
-        engine.add_request(f"a{a}", system + [rng.randrange(1000, 40000) for _ in range(30)],
-                           SamplingParams(temperature=0), arrival_time=engine.clock() + a * 0.3, script=script)
+        scripted(engine).add_request(f"a{a}", system + [rng.randrange(1000, 40000) for _ in range(30)],
+                                     SamplingParams(temperature=0), script, arrival_time=engine.clock() + a * 0.3)
     for _ in range(200_000):
         if not engine.has_unfinished_requests():
             break

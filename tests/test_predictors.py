@@ -29,6 +29,7 @@ from segue.predict import (
 )
 from segue.request import Interception, Request
 from segue.sampling_params import SamplingParams
+from segue.sim.script import scripted
 from segue.tools.stats import DurationStats
 from segue.trace import TraceSegment
 
@@ -245,7 +246,7 @@ def test_engine_predicts_learns_and_scores(ckpt: Any) -> None:
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     script = [TraceSegment(4, 0.005, [5, 6, 7], "search"), TraceSegment(3)]
     for i in range(6):
-        engine.add_request(f"a{i}", list(range(10, 20 + 3 * i)), params, script=script)
+        scripted(engine).add_request(f"a{i}", list(range(10, 20 + 3 * i)), params, script=script)
     run_to_completion(engine)
     snap = engine.predictors.snapshot()
     # The six first segments ran before anything was learned; their second segments were predicted.
@@ -256,7 +257,7 @@ def test_engine_predicts_learns_and_scores(ckpt: Any) -> None:
     assert engine.predictors.output_hidden.num_observed == 12
     assert engine.predictors.num_tracked == 0
 
-    req = engine.add_request("b", list(range(10, 25)), params, script=script)
+    req = scripted(engine).add_request("b", list(range(10, 25)), params, script=script)
     assert req.predicted_output_tokens == pytest.approx(4, abs=1)  # first segments were 4 tokens
     assert req.predicted_interception_s is not None and req.predicted_interception_s >= 0.005
     engine.step()  # the prefill: the hidden-state regressor refines the guess

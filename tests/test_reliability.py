@@ -35,6 +35,7 @@ from segue.sampling_params import SamplingParams
 from segue.server.app import create_app
 from segue.server.config import ServerConfig
 from segue.server.protocol import ChatCompletionRequest, CompletionRequest
+from segue.sim.script import scripted
 from segue.trace import TraceSegment
 from soak import server as soak_server
 from soak.driver import SoakConfig, run_soak
@@ -80,7 +81,8 @@ def test_engine_progresses_when_held_contexts_fill_the_pool(tmp_path: pathlib.Pa
         return [rng.randrange(100, 40000) for _ in range(n)]
     for i, (prompt, tools, last) in enumerate(STALL_WORKLOAD):
         script = [TraceSegment(g, s, tokens(n), kind="tool") for g, s, n in tools] + [TraceSegment(last)]
-        engine.add_request(f"r{i}", tokens(prompt), SamplingParams(temperature=0, ignore_eos=True), script=script)
+        scripted(engine).add_request(f"r{i}", tokens(prompt), SamplingParams(temperature=0, ignore_eos=True),
+                                     script=script)
     for _ in range(3000):
         if not engine.has_unfinished_requests():
             break
@@ -93,7 +95,7 @@ def test_engine_progresses_when_held_contexts_fill_the_pool(tmp_path: pathlib.Pa
 @pytest.fixture(scope="module")
 def fuzz_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AsyncLLMEngine]:
     # A 512-token context bounds how long any accepted request can generate.
-    engine = support.make_engine(tmp_path_factory.mktemp("fuzz"), "min-waste", context=512)
+    engine = support.make_async_engine(tmp_path_factory.mktemp("fuzz"), "min-waste", context=512)
     yield engine
     support.shutdown(engine)
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 
-from segue.cluster.merge import merge_results
 from segue.cluster.prefix_index import PrefixIndex, block_hashes
 from segue.cluster.router import LoadReport, PlacementReason, RouteRequest
 from segue.cluster.routers import make_router
@@ -146,16 +145,3 @@ def test_prefix_index_is_bounded_lru() -> None:
     index.drop_replica(1)
     index.drop_replica(0)
     assert len(index) == 0
-
-
-def test_merge_results_of_replicas() -> None:
-    assert merge_results([None, [1, 2, 3], None]) == [1, 2, 3]  # a lookup: one replica holds the request
-    assert merge_results([None, None]) is None
-    snap = merge_results([
-        {"queues": {"running": 1, "waiting": 0}, "device_blocks": (3, 10), "dispositions": {"swap": [1, 0, 4]}},
-        {"queues": {"running": 2, "waiting": 5}, "device_blocks": (1, 10), "dispositions": {}, "steps": 7},
-    ])
-    assert snap == {"queues": {"running": 3, "waiting": 5}, "device_blocks": (4, 20),
-                    "dispositions": {"swap": [1, 0, 4]}, "steps": 7}
-    with pytest.raises(TypeError):
-        merge_results(["a", "b"])

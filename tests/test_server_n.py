@@ -11,7 +11,7 @@ import pytest
 
 from segue.async_engine import AsyncLLMEngine
 from segue.server.app import create_app
-from test_server_support import ServerThread, make_engine, on_engine, shutdown, wait_idle
+from test_server_support import ServerThread, make_async_engine, on_engine, shutdown, wait_idle
 
 # Random weights at temperature 1 over a 49k vocabulary: distinct seeds give distinct texts.
 SAMPLED = {"temperature": 1.0, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
@@ -19,7 +19,7 @@ SAMPLED = {"temperature": 1.0, "max_tokens": 6, "extra_body": {"ignore_eos": Tru
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AsyncLLMEngine]:
-    eng = make_engine(tmp_path_factory.mktemp("server-n"))
+    eng = make_async_engine(tmp_path_factory.mktemp("server-n"))
     yield eng
     shutdown(eng)
 

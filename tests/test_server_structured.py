@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 from engine_helpers import OpensCalls
 from segue.async_engine import AsyncLLMEngine
 from segue.server.app import create_app
-from test_server_support import ServerThread, encode, make_engine, on_engine, shutdown, wait_idle
+from test_server_support import ServerThread, encode, make_async_engine, on_engine, shutdown, wait_idle
 
 LIGHT = {"type": "object", "properties": {"on": {"type": "boolean"},
                                           "level": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -28,7 +28,7 @@ SAMPLED = {"temperature": 1.0, "max_tokens": 64}
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AsyncLLMEngine]:
-    eng = make_engine(tmp_path_factory.mktemp("server-structured"))
+    eng = make_async_engine(tmp_path_factory.mktemp("server-structured"))
     yield eng
     shutdown(eng)
 

@@ -19,9 +19,9 @@ from typing import Any, Callable, Iterator
 
 import uvicorn
 
+import engine_helpers
 from conftest import default_tokenizer, make_tiny_checkpoint
 from segue.async_engine import AsyncLLMEngine
-from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
 from segue.engine import LLMEngine
 from segue.executor.base import SampledToken
 from segue.sched.output import SchedulerOutput
@@ -52,18 +52,16 @@ class ServerThread:
         self.sock.close()
 
 
-def make_engine(directory: pathlib.Path, policy: str = "preserve", context: int = 2048,
-                kv_cache_tokens: int = 8192, swap_space_tokens: int = 4096) -> AsyncLLMEngine:
+def make_async_engine(directory: pathlib.Path, policy: str = "preserve", context: int = 2048,
+                      kv_cache_tokens: int = 8192, swap_space_tokens: int = 4096) -> AsyncLLMEngine:
     """A tiny random Llama whose context fits a tool prompt (the checkpoint's own is 512)."""
     path = make_tiny_checkpoint(directory / "tiny-llama")
     config_file = path / "config.json"
     config = json.loads(config_file.read_text())
     config["max_position_embeddings"] = context
     config_file.write_text(json.dumps(config))
-    return AsyncLLMEngine(LLMEngine(EngineConfig(
-        model=ModelLoadConfig(model=str(path), dtype="float32", device="cpu"),
-        cache=CacheConfig(block_size=16, kv_cache_tokens=kv_cache_tokens, swap_space_tokens=swap_space_tokens),
-        scheduler=SchedulerConfig(interception_policy=policy))))
+    return AsyncLLMEngine(engine_helpers.make_engine(path, policy=policy, kv_tokens=kv_cache_tokens,
+                                                    swap_tokens=swap_space_tokens))
 
 
 def encode(text: str) -> list[int]:
@@ -174,6 +172,6 @@ def shutdown(engine: AsyncLLMEngine) -> None:
 
 
 def engine_fixture(tmp_factory: Any, policy: str = "preserve") -> Iterator[tuple[AsyncLLMEngine, ScriptedModel]]:
-    engine = make_engine(tmp_factory.mktemp("server"), policy)
+    engine = make_async_engine(tmp_factory.mktemp("server"), policy)
     yield engine, install_script(engine)
     shutdown(engine)

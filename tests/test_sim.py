@@ -171,6 +171,7 @@ def test_oracle_predictions_are_the_scripts_truth():
     """PredictorConfig.oracle: at arrival, at the pause and after resuming, a scripted request's
     predictions are its current segment's length and pause (0 s for the last segment)."""
     from segue.config import PredictorConfig
+    from segue.sim.script import scripted
     from segue.trace import TraceSegment
 
     config = EngineConfig(cache=CacheConfig(block_size=16, kv_cache_tokens=4096),
@@ -178,7 +179,7 @@ def test_oracle_predictions_are_the_scripts_truth():
                           predictor=PredictorConfig(oracle=True))
     engine = make_sim_engine(GPTJ, 4096, config, max_model_len=2048)
     script = [TraceSegment(5, 2.0, [7, 7, 7]), TraceSegment(9)]
-    req = engine.add_request("o", [1] * 20, SamplingParams(), script=script)
+    req = scripted(engine).add_request("o", [1] * 20, SamplingParams(), script=script)
     assert (req.predicted_output_tokens, req.predicted_interception_s) == (5, 2.0)
     seen = []
     for _ in range(1000):

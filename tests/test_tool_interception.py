@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
 
 import pytest
 
+import engine_helpers
 from conftest import make_tiny_checkpoint
 from engine_helpers import run_to_completion
 from segue.async_engine import AsyncLLMEngine
-from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
 from segue.engine import LLMEngine
 from segue.executor.base import SampledToken
 from segue.sampling_params import SamplingParams
@@ -41,11 +42,7 @@ def ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
 
 
-def make_engine(ckpt, policy="min-waste") -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        model=ModelLoadConfig(model=str(ckpt), dtype="float32", device="cpu"),
-        cache=CacheConfig(block_size=4, kv_cache_tokens=1024),
-        scheduler=SchedulerConfig(interception_policy=policy)))
+make_engine = functools.partial(engine_helpers.make_engine, policy="min-waste", block_size=4, kv_tokens=1024)
 
 
 def test_tool_call_pauses_and_resume_continues(ckpt):

@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     results: list[SetupResult] = []
 
     async def measure(engine: Any, names: list[str], engines: int) -> None:
-        vocab = engine.engine.vocab_size if hasattr(engine, "router") else engine.engine.model_config.vocab_size
+        vocab = engine.model_info().vocab_size
         await _warm_up(engine, vocab, engines)
         for name in names:
             if hasattr(engine, "router"):

@@ -5,10 +5,10 @@ N = 1 (nothing to place), else a local Ray instance with N engine actors behind 
 `build_local_pool` puts N engines in this process instead (tests and benchmarks without Ray; the
 engines' step threads then share one Python process).
 
-What the server reads of "the engine" and how a pool answers (see pool.py): the model side
-(tokenizer, chat template, limits) from a ModelFront; generate/continue/resume/detach/abort by
-request id; run_sync(fn) on every replica, merged (merge.py), which covers the server's uses:
-held-token and paused-request lookups by id (one replica answers) and /metrics snapshots (summed).
+What the server asks of "the engine" is segue/engine_client.py's EngineClient, and the pool is
+one (see pool.py): the model side (tokenization, chat template, prompt checks) in the server's
+process; generate/continue/resume/detach/abort and the paused-request methods by request id, on
+the replica that holds it; get_stats() from every live replica, merged by EngineStats.merge.
 
 Fault tolerance: replicas are Ray actors with `max_restarts` (`--engine-restarts`, default
 DEFAULT_ENGINE_RESTARTS). When one dies, its requests in flight fail with EngineDeadError (503),

@@ -5,8 +5,9 @@ import contextlib
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
 
 from segue.async_engine import AsyncLLMEngine
-from segue.cluster.model_info import ModelInfo, model_info
-from segue.cluster.replica import EngineReplica, ReplicaOutput, load_report
+from segue.cluster.replica import EngineReplica, ReplicaOutput
+from segue.engine_stats import EngineStats
+from segue.model_info import ModelInfo
 from segue.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -19,21 +20,21 @@ class LocalReplica(EngineReplica):
         self.engine = engine
 
     def describe(self) -> ModelInfo:
-        return model_info(self.engine.engine)
+        return self.engine.model_info()
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        hints: dict[str, Any]) -> AsyncGenerator[ReplicaOutput, None]:
         # aclosing: leaving this stream must close the engine's at once (its finally aborts the request).
         async with contextlib.aclosing(self.engine.generate(prompt_token_ids, params, request_id, **hints)) as outs:
             async for out in outs:
-                yield out, load_report(self.engine.engine)
+                yield out, self.engine.load_report()
 
     async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
                                tool_parser: Any) -> AsyncGenerator[ReplicaOutput, None]:
         # In process the engine holds the caller's parser object itself: nothing to refresh.
         async with contextlib.aclosing(self.engine.continue_request(request_id, tokens, params)) as outs:
             async for out in outs:
-                yield out, load_report(self.engine.engine)
+                yield out, self.engine.load_report()
 
     async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None) -> None:
         await self.engine.resume(request_id, tokens, params)
@@ -47,11 +48,23 @@ class LocalReplica(EngineReplica):
     def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None:
         self.engine.set_latency_sensitive(request_id, latency_sensitive)
 
+    async def held_token_ids(self, request_id: str) -> list[int] | None:
+        return await self.engine.held_token_ids(request_id)
+
+    async def expect_resume(self, request_id: str, after_s: float) -> bool:
+        return await self.engine.expect_resume(request_id, after_s)
+
+    async def abandon(self, request_id: str) -> bool:
+        return await self.engine.abandon(request_id)
+
+    async def get_stats(self) -> EngineStats:
+        return await self.engine.get_stats()
+
     async def run_sync(self, fn: Callable[["LLMEngine"], Any]) -> Any:
         return await self.engine.run_sync(fn)
 
     def set_tool_hint(self, name: str, seconds: float | None) -> None:
-        self.engine.engine.tool_stats.set_hint(name, seconds)
+        self.engine.set_tool_hint(name, seconds)
 
     @property
     def is_running(self) -> bool:

@@ -1,16 +1,18 @@
-"""EnginePool: the AsyncLLMEngine interface over several engine replicas.
+"""EnginePool: an EngineClient (segue/engine_client.py) over several engine replicas.
 
 The server keeps talking to "the engine"; the pool places each new request with its Router and
-sends everything that follows (continue, resume, detach, abort, run_sync by request id) to the
-replica that holds it. `engine.engine` is a ModelFront: the tokenizer, chat template and limits,
-the same on every replica.
+sends everything that follows (continue, resume, detach, abort, the paused-request methods) to the
+replica that holds it. The model side (tokenization, chat template, prompt checks) is answered
+here, in the server's process, by the same InputProcessor the engines use, over the ModelInfo
+replica 0 describes (replicas all serve the same checkpoint). Tool duration hints fan out to every
+replica.
 
-run_sync(fn) without a request id runs fn on every live replica and merges the answers
-(segue/cluster/merge.py): /metrics thus reports sums over replicas (queues, KV blocks, waste, prefix
-hits, steps); tool duration quantiles are per replica (the one with most observations is shown).
-`is_running` (/health) is true only while every replica is; a Ray replica's death is noticed on
-the next call that reaches it. Ray restarts a dead replica (up to --engine-restarts times); once
-it answers again the pool routes to it again, and a restart makes the router forget the prefixes
+get_stats() merges the live replicas' snapshots as EngineStats.merge says: /metrics thus reports
+sums over replicas (queues, KV blocks, waste, prefix hits, steps); tool duration quantiles are per
+replica (the one with most observations is shown). `is_running` (/health) is true only while
+every replica is; a Ray replica's death is noticed on the next call that reaches it. Ray
+restarts a dead replica (up to --engine-restarts times); once it answers again the pool routes to
+it again, and a restart makes the router forget the prefixes
 and program bindings it had placed there (their cache is gone). Requests that were paused on it are
 gone too: the server's held-session check finds nothing there and starts the next turn fresh
 (while the replica is still down, that turn fails with 503 instead).
@@ -23,11 +25,13 @@ import logging
 import uuid
 from typing import Any, AsyncGenerator, Callable, Sequence
 
-from segue.async_engine import EngineDeadError, remember_early
-from segue.cluster.front import ModelFront
-from segue.cluster.merge import merge_results
+from segue.async_engine import remember_early
 from segue.cluster.replica import EngineReplica, ReplicaOutput
 from segue.cluster.router import Router, RouteRequest
+from segue.engine_client import EngineDeadError
+from segue.engine_stats import EngineStats
+from segue.input_processor import InputProcessor
+from segue.model_info import ModelInfo
 from segue.outputs import RequestOutput
 from segue.sampling_params import InvalidRequestError, SamplingParams
 
@@ -41,7 +45,7 @@ class EnginePool:
             raise ValueError(f"the router expects {router.num_replicas} replicas, got {len(replicas)}")
         self.replicas = list(replicas)
         self.router = router
-        self.engine = ModelFront(self.replicas[0].describe(), self.replicas)
+        self.inputs = InputProcessor(self.replicas[0].describe())
         self._on_shutdown = on_shutdown
         self._closing = False
         self._restarts_seen = [r.restarts for r in self.replicas]
@@ -54,28 +58,45 @@ class EnginePool:
         # Objectives updated before their request was placed (set_latency_sensitive).
         self._early_objectives: dict[str, bool] = {}
 
-    # ---- the AsyncLLMEngine interface ----------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       **hints: Any) -> AsyncGenerator[RequestOutput, None]:
-        """hints: the engine's (priority, program_id, tool_parser, cache_salt, expected_tool_s) plus
-        task_group, which only the router reads."""
+    # ---- the model (EngineClient) ------------------------------------------------------------
+    def model_info(self) -> ModelInfo:
+        return self.inputs.info
+
+    def encode(self, text: str) -> list[int]:
+        return self.inputs.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.inputs.decode(token_ids)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        return self.inputs.apply_chat_template(messages, add_generation_prompt, tools)
+
+    # ---- requests (EngineClient) -------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
+                       priority: int = 0, program_id: str | None = None, tool_parser: Any = None,
+                       cache_salt: str | None = None, expected_tool_s: float | None = None,
+                       latency_sensitive: bool = True,
+                       task_group: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """The prompt is checked here, before routing (a bad one never reaches the router's prefix
+        index); the replica builds the request. task_group is the router's alone."""
         self._check_alive()
-        task_group = hints.pop("task_group", None)
         rid = request_id or uuid.uuid4().hex
         self._check_free(rid)
         loop = asyncio.get_running_loop()
-        token_ids = await loop.run_in_executor(None, lambda: self.engine.make_request(rid, prompt, params))
+        _, token_ids = await loop.run_in_executor(None, self.inputs.process, prompt, params)
         self._check_alive()
         self._check_free(rid)
         self._sync_availability()
-        decision = self.router.route(RouteRequest(rid, token_ids, hints.get("program_id"), task_group,
-                                                  hints.get("cache_salt")))
+        decision = self.router.route(RouteRequest(rid, token_ids, program_id, task_group, cache_salt))
         replica = self.replicas[decision.replica]
         self._owners[rid] = decision.replica
-        if rid in self._early_objectives:
-            hints["latency_sensitive"] = self._early_objectives.pop(rid)
-        if hints.get("tool_parser") is not None:
-            self._parsers[rid] = hints["tool_parser"]
+        latency_sensitive = self._early_objectives.pop(rid, latency_sensitive)
+        hints: dict[str, Any] = {"priority": priority, "program_id": program_id, "tool_parser": tool_parser,
+                                 "cache_salt": cache_salt, "expected_tool_s": expected_tool_s,
+                                 "latency_sensitive": latency_sensitive}
+        if tool_parser is not None:
+            self._parsers[rid] = tool_parser
         if isinstance(prompt, str):
             self._prompts[rid] = prompt
         async for out in self._stream(rid, replica, replica.generate(token_ids, params, rid, hints)):
@@ -123,13 +144,36 @@ class EnginePool:
         if request_id not in self._streaming:
             self._forget(request_id)
 
+    def set_tool_hint(self, name: str, seconds: float | None) -> None:
+        for replica in self.replicas:
+            replica.set_tool_hint(name, seconds)
+
+    # ---- paused requests and stats (EngineClient) --------------------------------------------
+    async def held_token_ids(self, request_id: str) -> list[int] | None:
+        replica = self._owner(request_id)
+        return await replica.held_token_ids(request_id) if replica is not None else None
+
+    async def expect_resume(self, request_id: str, after_s: float) -> bool:
+        replica = self._owner(request_id)
+        return await replica.expect_resume(request_id, after_s) if replica is not None else False
+
+    async def abandon(self, request_id: str) -> bool:
+        replica = self._owner(request_id)
+        return await replica.abandon(request_id) if replica is not None else False
+
+    async def get_stats(self) -> EngineStats:
+        self._check_alive()
+        live = [r for r in self.replicas if r.is_running]
+        return EngineStats.merge(await asyncio.gather(*(r.get_stats() for r in live)))
+
     async def run_sync(self, fn: Callable[[Any], Any], request_id: str | None = None) -> Any:
-        """fn(LLMEngine) on the replica holding request_id, or on every live replica, merged."""
+        """fn(LLMEngine) on the replica holding request_id, or else on every live replica: their
+        answers in replica order (tests and benchmarks; the server asks by named methods)."""
         self._check_alive()
         if request_id is not None:
             return await self._replica_of(request_id).run_sync(fn)
         live = [r for r in self.replicas if r.is_running]
-        return merge_results(await asyncio.gather(*(r.run_sync(fn) for r in live)))
+        return list(await asyncio.gather(*(r.run_sync(fn) for r in live)))
 
     @property
     def is_running(self) -> bool:
@@ -206,10 +250,15 @@ class EnginePool:
         self._prompts.pop(rid, None)
 
     def _replica_of(self, request_id: str) -> EngineReplica:
-        index = self._owners.get(request_id)
-        if index is None:
+        replica = self._owner(request_id)
+        if replica is None:
             raise InvalidRequestError(f"request {request_id!r} is not paused")
-        return self.replicas[index]
+        return replica
+
+    def _owner(self, request_id: str) -> EngineReplica | None:
+        self._check_alive()
+        index = self._owners.get(request_id)
+        return self.replicas[index] if index is not None else None
 
     def _check_free(self, rid: str) -> None:
         if rid in self._owners:

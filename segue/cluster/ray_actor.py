@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import uuid
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
 
 from segue.async_engine import AsyncLLMEngine
-from segue.cluster.model_info import ModelInfo, model_info
-from segue.cluster.replica import load_report
-from segue.cluster.router import LoadReport
 from segue.config import EngineConfig
+from segue.engine_stats import EngineStats, LoadReport
+from segue.model_info import ModelInfo
 from segue.outputs import RequestOutput
 from segue.sampling_params import SamplingParams
 
@@ -29,13 +27,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ActorOutput = tuple[RequestOutput, LoadReport, int]
-
-
-def _set_tool_parser(request_id: str, parser: Any, llm: "LLMEngine") -> None:
-    # The server re-arms its parser between turns; the actor's copy must be that one.
-    state = llm._states.get(request_id)
-    if state is not None:
-        state.tool_parser = parser
 
 
 async def _until_set(source: AsyncGenerator[Any, None], stop: asyncio.Event) -> AsyncGenerator[Any, None]:
@@ -76,14 +67,14 @@ class EngineActor:
             async with contextlib.aclosing(source) as outs, \
                     contextlib.aclosing(_until_set(outs, entry[0])) as items:
                 async for out in items:
-                    yield out, load_report(self.engine.engine), self.incarnation
+                    yield out, self.engine.load_report(), self.incarnation
         finally:
             entry[1].set()
             if self._streams.get(request_id) is entry:
                 del self._streams[request_id]
 
     async def describe(self) -> ModelInfo:
-        return model_info(self.engine.engine)
+        return self.engine.model_info()
 
     async def ping(self) -> int:
         if not self.engine.is_running and not self._stopping:
@@ -107,7 +98,8 @@ class EngineActor:
             # promise to run one caller's calls in order.)
             await previous[1].wait()
         if tool_parser is not None:
-            await self.engine.run_sync(functools.partial(_set_tool_parser, request_id, tool_parser))
+            # The server re-arms its parser between turns; the actor's copy must be that one.
+            await self.engine.set_tool_parser(request_id, tool_parser)
         async for item in self._serve(request_id, self.engine.continue_request(request_id, tokens, params)):
             yield item
 
@@ -127,11 +119,23 @@ class EngineActor:
     async def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None:
         self.engine.set_latency_sensitive(request_id, latency_sensitive)
 
+    async def held_token_ids(self, request_id: str) -> list[int] | None:
+        return await self.engine.held_token_ids(request_id)
+
+    async def expect_resume(self, request_id: str, after_s: float) -> bool:
+        return await self.engine.expect_resume(request_id, after_s)
+
+    async def abandon(self, request_id: str) -> bool:
+        return await self.engine.abandon(request_id)
+
+    async def get_stats(self) -> EngineStats:
+        return await self.engine.get_stats()
+
     async def run_sync(self, fn: Callable[["LLMEngine"], Any]) -> Any:
         return await self.engine.run_sync(fn)
 
     async def set_tool_hint(self, name: str, seconds: float | None) -> None:
-        self.engine.engine.tool_stats.set_hint(name, seconds)
+        self.engine.set_tool_hint(name, seconds)
 
     async def shutdown(self, drain_timeout: float) -> None:
         self._stopping = True

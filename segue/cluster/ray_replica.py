@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, Awaitable, Callable
 import ray
 import ray.exceptions
 
-from segue.async_engine import EngineDeadError
-from segue.cluster.model_info import ModelInfo
 from segue.cluster.ray_actor import EngineActor
 from segue.cluster.ray_health import ActorHealth
 from segue.cluster.replica import EngineReplica, ReplicaOutput
 from segue.config import EngineConfig
+from segue.engine_client import EngineDeadError
+from segue.engine_stats import EngineStats
+from segue.model_info import ModelInfo
 from segue.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -160,6 +161,22 @@ class RayReplica(EngineReplica):
     def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None:
         # Fire and forget, like abort: a replica that is down has no request to update.
         self.actor.set_latency_sensitive.remote(request_id, latency_sensitive)
+
+    async def held_token_ids(self, request_id: str) -> list[int] | None:
+        self._check_up()
+        return await self._call(self.actor.held_token_ids.remote(request_id))
+
+    async def expect_resume(self, request_id: str, after_s: float) -> bool:
+        self._check_up()
+        return await self._call(self.actor.expect_resume.remote(request_id, after_s))
+
+    async def abandon(self, request_id: str) -> bool:
+        self._check_up()
+        return await self._call(self.actor.abandon.remote(request_id))
+
+    async def get_stats(self) -> EngineStats:
+        self._check_up()
+        return await self._call(self.actor.get_stats.remote())
 
     async def run_sync(self, fn: Callable[["LLMEngine"], Any]) -> Any:
         self._check_up()

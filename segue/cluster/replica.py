@@ -1,4 +1,4 @@
-"""One engine replica as the pool sees it: the interface, and the load report replicas attach to outputs.
+"""One engine replica as the pool sees it: the interface, and what its streams yield.
 
 Two implementations: LocalReplica (an AsyncLLMEngine in this process) and RayReplica (an engine in
 a Ray actor). Streams yield (RequestOutput, LoadReport) pairs, so the router's view of each replica's
@@ -10,30 +10,22 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
 
-from segue.cluster.router import LoadReport
+from segue.engine_stats import EngineStats, LoadReport
 from segue.outputs import RequestOutput
 from segue.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from segue.cluster.model_info import ModelInfo
     from segue.engine import LLMEngine
+    from segue.model_info import ModelInfo
 
 ReplicaOutput = tuple[RequestOutput, LoadReport]
-
-
-def load_report(llm: "LLMEngine") -> LoadReport:
-    """Read off the engine thread without a lock: each len() is atomic under the GIL, the set of
-    them may be one step apart, which is fine for a routing hint."""
-    s = llm.scheduler
-    return LoadReport(len(s.running), len(s.waiting), len(s.paused.paused), s.kv.device.num_used_blocks,
-                      s.kv.device.num_blocks)
 
 
 def engine_census(llm: "LLMEngine") -> dict[str, int]:
     """Requests and KV blocks an engine holds (run on its loop thread, via run_sync): after every
     request is finished or aborted both must be zero."""
-    return {"requests": llm.num_unfinished_requests, "held_blocks": llm.scheduler.kv.num_held_blocks(),
-            "paused": len(llm.scheduler.paused.paused)}
+    return {"requests": llm.num_unfinished_requests, "held_blocks": llm.num_held_blocks(),
+            "paused": llm.load_report().paused}
 
 
 class EngineReplica(abc.ABC):
@@ -51,7 +43,7 @@ class EngineReplica(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                  hints: dict[str, Any]) -> AsyncGenerator[ReplicaOutput, None]:
-        """AsyncLLMEngine.generate on this replica."""
+        """AsyncLLMEngine.generate on this replica; `hints` are its keyword arguments."""
 
     @abc.abstractmethod
     def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
@@ -73,7 +65,20 @@ class EngineReplica(abc.ABC):
         """A program call's objective changed after launch (see AsyncLLMEngine)."""
 
     @abc.abstractmethod
-    async def run_sync(self, fn: Callable[["LLMEngine"], Any]) -> Any: ...
+    async def held_token_ids(self, request_id: str) -> list[int] | None: ...
+
+    @abc.abstractmethod
+    async def expect_resume(self, request_id: str, after_s: float) -> bool: ...
+
+    @abc.abstractmethod
+    async def abandon(self, request_id: str) -> bool: ...
+
+    @abc.abstractmethod
+    async def get_stats(self) -> EngineStats: ...
+
+    @abc.abstractmethod
+    async def run_sync(self, fn: Callable[["LLMEngine"], Any]) -> Any:
+        """fn(engine) on the replica's engine thread (tests and benchmarks only, not the server)."""
 
     @abc.abstractmethod
     def set_tool_hint(self, name: str, seconds: float | None) -> None: ...

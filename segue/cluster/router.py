@@ -15,6 +15,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from segue.engine_stats import LoadReport  # what replicas report; an engine's own type (engine_stats.py)
+
 
 class PlacementReason(str, enum.Enum):
     AFFINITY = "affinity"        # the request's program (session) already lives on the replica
@@ -40,20 +42,6 @@ class RouteDecision:
     reason: PlacementReason
     # Leading full prompt blocks the router believes the replica has cached (0: none known).
     prefix_blocks: int = 0
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """A replica's queues and KV pool as of one of its outputs (lock-free reads: a hint, not a census)."""
-    running: int = 0
-    waiting: int = 0
-    paused: int = 0
-    kv_used_blocks: int = 0
-    kv_total_blocks: int = 0
-
-    @property
-    def queued(self) -> int:
-        return self.running + self.waiting
 
 
 @dataclass

@@ -1,8 +1,7 @@
 """Runs programs' calls on an engine as soon as their inputs exist (Parrot §5.1): no client round
 trip between dependent calls.
 
-The engine is anything with AsyncLLMEngine's `generate(prompt, params, request_id=..., **hints)`
-async iterator, so the executor can later drive a router over several engines. Each call:
+The engine is an EngineClient (segue/engine_client.py): one AsyncLLMEngine or a pool of them. Each call:
 waits for its inputs, takes the objective deduced from the program's DAG at that moment (its
 priority is fixed once it reaches the engine), renders its template segment by segment, waits if a
 call with the same prompt prefix is still prefilling (then the prefix cache serves the shared part
@@ -17,9 +16,9 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator, Callable, Protocol
+from typing import Any, Callable
 
-from segue.async_engine import EngineDeadError
+from segue.engine_client import EngineClient, EngineDeadError
 from segue.outputs import RequestOutput
 from segue.program.graph import CallObjective, CycleError
 from segue.program.registry import ProgramLimits, ProgramRegistry, scoped_program_id
@@ -27,7 +26,7 @@ from segue.program.state import Call, CallSpec, CallState, ConflictError, Progra
 from segue.program.template import prefix_hashes
 from segue.program.transforms import TransformError, apply_all
 from segue.program.variables import Criteria, SemanticVariable, VariableError
-from segue.sampling_params import InvalidRequestError, SamplingParams
+from segue.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +35,6 @@ DEFAULT_MAX_TOKENS_CAP = 1024
 
 class CallError(RuntimeError):
     """A call failed for a reason the client may read."""
-
-
-class GenerateEngine(Protocol):
-    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                 **hints: Any) -> AsyncGenerator[RequestOutput, None]: ...
-
-    def forget_program(self, program_id: str) -> None: ...
 
 
 @dataclass
@@ -56,7 +48,7 @@ class ExecutorStats:
 
 
 class ProgramExecutor:
-    def __init__(self, engine: GenerateEngine, encode: Callable[[str], list[int]] | None = None,
+    def __init__(self, engine: EngineClient, encode: Callable[[str], list[int]] | None = None,
                  max_model_len: int | None = None, limits: ProgramLimits | None = None,
                  share_prefix: bool = True, min_shared_tokens: int = 64,
                  call_timeout_s: float = 600.0) -> None:

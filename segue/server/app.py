@@ -13,7 +13,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI
 
-from segue.async_engine import AsyncLLMEngine
+from segue.engine_client import EngineClient
 from segue.server.auth import APIKeyMiddleware
 from segue.server.config import ServerConfig
 from segue.server.context import ServingContext
@@ -31,7 +31,7 @@ from segue.tools.registry import ToolRegistry
 MAX_SWEEP_PERIOD_S = 5.0
 
 
-def create_app(engine: AsyncLLMEngine, api_keys: list[str] | None = None, shutdown_engine: bool = False,
+def create_app(engine: EngineClient, api_keys: list[str] | None = None, shutdown_engine: bool = False,
                config: ServerConfig | None = None, tools: ToolRegistry | None = None) -> FastAPI:
     """The server for one engine. With shutdown_engine the app owns the engine and stops it when
     the server shuts down (launch.py); tests share one engine between apps and leave it running.

@@ -30,6 +30,7 @@ import json
 import logging
 from typing import Any
 
+from segue.engine_client import EngineClient
 from segue.server.sessions import Session, SessionStore
 
 logger = logging.getLogger(__name__)
@@ -58,9 +59,9 @@ def transcript_keys(tenant: str | None, tools: Any, messages: list[tuple]) -> li
 class AutoContinuation:
     """The index from held transcripts to the implicit sessions that hold them."""
 
-    def __init__(self, store: SessionStore, engine: Any, release_s: float, ttl_s: float) -> None:
+    def __init__(self, store: SessionStore, engine: EngineClient, release_s: float, ttl_s: float) -> None:
         self.store = store
-        self.engine = engine  # AsyncLLMEngine
+        self.engine = engine
         self.release_s = release_s
         self.ttl_s = ttl_s
         self._by_key: dict[str, str] = {}
@@ -157,14 +158,10 @@ class AutoContinuation:
         announce, release = self._due()
         if not announce and not release:
             return
-        gap = self.gap_s
-
-        def apply(engine: Any) -> None:
-            for rid in announce:
-                engine.expect_resume(rid, gap)
-            for rid in release:
-                engine.abandon(rid)
-        await self.engine.run_sync(apply)
+        for rid in announce:
+            await self.engine.expect_resume(rid, self.gap_s)
+        for rid in release:
+            await self.engine.abandon(rid)
 
     async def run(self, period_s: float) -> None:
         """Background sweep (started by the app's lifespan)."""

@@ -52,12 +52,6 @@ async def _first(request: Request, deadline: Deadline, gen: Any) -> RequestOutpu
     return first
 
 
-def _held_tokens(request_id: str) -> Any:
-    def read(engine: Any) -> list[int] | None:
-        return engine.paused_token_ids(request_id)
-    return read
-
-
 async def continue_held(ctx: ServingContext, request: Request, body: ChatCompletionRequest, setup: ToolSetup,
                         session: Session, held: HeldRequest, deadline: Deadline) -> ChatTurn | None:
     """The continued turn, or None when the held request cannot be continued (caller aborts it)."""
@@ -65,7 +59,7 @@ async def continue_held(ctx: ServingContext, request: Request, body: ChatComplet
     history = [normalize(m) for m in body.messages]
     if len(history) <= n or history[:n] != session.transcript or setup.tools != held.tools:
         return None
-    if await ctx.engine.run_sync(_held_tokens(held.request_id)) != held.token_ids:
+    if await ctx.engine.held_token_ids(held.request_id) != held.token_ids:
         return None
     new_messages = held.server_results + ctx.renderer.template_messages(body.messages[n:])
     text = await ctx.in_thread(ctx.renderer.continuation, held.context, held.segment, new_messages, setup.tools)
@@ -94,7 +88,7 @@ async def start_fresh(ctx: ServingContext, request: Request, body: ChatCompletio
 
     def render() -> list[int]:
         text = ctx.renderer.render(messages, setup.tools)
-        return ctx.engine.engine.encode(text)
+        return ctx.engine.encode(text)
     prompt_ids = await ctx.in_thread(render)
     params = body.to_sampling_params(len(prompt_ids), ctx.max_model_len, ctx.generation_defaults)
     params.structured = setup.constraint or params.structured

@@ -43,9 +43,10 @@ def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
     engine = build_engine(config, engines, router=getattr(args, "router", None) or "affinity",
                           max_restarts=restarts)
     # An EnginePool presents AsyncLLMEngine's interface (the two share no declared Protocol yet).
-    app = create_app(engine, shutdown_engine=True, config=server_config, tools=tools)  # type: ignore[arg-type]
+    app = create_app(engine, shutdown_engine=True, config=server_config, tools=tools)
     logger.info("serving %r (context %d tokens, %d engine%s) on http://%s:%d/v1%s; server-side tools: %s",
-                engine.engine.model_name, engine.engine.max_model_len, engines, "s" if engines > 1 else "", host, port,
+                engine.model_info().model_name, engine.model_info().max_model_len, engines,
+                "s" if engines > 1 else "", host, port,
                 " with API keys" if server_config.api_keys else "", ", ".join(tools.names()) or "none")
     if not server_config.api_keys and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s without API keys: anyone who can reach it can use it", host)

@@ -2,22 +2,21 @@
 
 Server-side events (requests, latencies, tool calls) are counted as they happen. Engine state
 (queues, KV, waste, preemptions, prefix cache, tool durations) is read at scrape time in one
-run_sync call on the engine thread: a consistent snapshot between steps, and no per-step cost.
+EngineClient.get_stats() call: a consistent snapshot between steps, and no per-step cost.
 Each app has its own registry so several apps (tests) can share a process.
 """
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from segue.engine import LLMEngine
+from segue.engine_stats import AccuracySnapshot, EngineStats, PausedKV
 
 if TYPE_CHECKING:
-    from segue.async_engine import AsyncLLMEngine
+    from segue.engine_client import EngineClient
     from segue.server.limits import ConcurrencyLimiter
     from segue.server.sessions import SessionStore
     from segue.tools.registry import ToolRegistry
@@ -26,7 +25,7 @@ if TYPE_CHECKING:
 class MetricsSource(Protocol):
     """What the metrics read of the serving context (context.py builds the metrics, so they name
     only this, not the context)."""
-    engine: "AsyncLLMEngine"
+    engine: "EngineClient"
     sessions: "SessionStore"
     limiter: "ConcurrencyLimiter"
     tools: "ToolRegistry"
@@ -45,37 +44,12 @@ def endpoint_label(path: str) -> str:
     return "other"
 
 
-def engine_snapshot(e: LLMEngine) -> dict[str, Any]:
-    """Runs on the engine thread, between steps."""
-    s, kv = e.scheduler, e.scheduler.kv
-    dispositions: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # requests, device, host blocks
-    for rid, req in s.paused.paused.items():
-        assert req.interception is not None  # paused: intercepted
-        row = dispositions[req.interception.disposition.value]
-        row[0] += 1
-        row[1] += kv.num_device_blocks_of(rid)
-        row[2] += kv.num_host_blocks_of(rid)
-    return {
-        "queues": {"running": len(s.running), "waiting": len(s.waiting), "paused": len(s.paused.paused),
-                   "swapped": len(s.paused.swapped)},
-        "device_blocks": (kv.device.num_used_blocks, kv.device.num_blocks),
-        "host_blocks": (kv.host.num_used_blocks, kv.host.num_blocks) if kv.host else (0, 0),
-        "dispositions": dict(dispositions),
-        "waste": e.waste.totals.as_dict(),
-        "preemptions": s.num_preemptions_total,
-        "prefix": (s.prefix_hit_tokens, s.prefix_query_tokens),
-        "steps": e.num_steps,
-        "tools": e.tool_stats.snapshot(),
-        "predictors": e.predictors.snapshot(),
-    }
-
-
 class _EngineCollector:
     """Turns the latest snapshot into metric families (prometheus_client calls collect())."""
 
     def __init__(self, ctx: MetricsSource) -> None:
         self.ctx = ctx
-        self.snapshot: dict[str, Any] | None = None
+        self.snapshot: EngineStats | None = None
 
     def collect(self) -> Iterator[Metric]:
         sessions = GaugeMetricFamily("segue_sessions", "Open sessions, by whether they hold a paused request",
@@ -89,52 +63,50 @@ class _EngineCollector:
         if snap is None:
             return
         queues = GaugeMetricFamily("segue_queue_requests", "Engine requests by queue", labels=["queue"])
-        for name, n in snap["queues"].items():
-            queues.add_metric([name], n)
+        for name in ("running", "waiting", "paused", "swapped"):
+            queues.add_metric([name], getattr(snap, name))
         yield queues
         blocks = GaugeMetricFamily("segue_kv_blocks", "KV cache blocks in use and in total", labels=["pool", "kind"])
         for pool in ("device", "host"):
-            used, total = snap[f"{pool}_blocks"]
-            blocks.add_metric([pool, "used"], used)
-            blocks.add_metric([pool, "total"], total)
+            blocks.add_metric([pool, "used"], getattr(snap, f"{pool}_blocks_used"))
+            blocks.add_metric([pool, "total"], getattr(snap, f"{pool}_blocks_total"))
         yield blocks
         paused_req = GaugeMetricFamily("segue_paused_requests", "Paused requests by KV disposition",
                                        labels=["disposition"])
         paused_blocks = GaugeMetricFamily("segue_paused_kv_blocks", "KV blocks of paused requests by disposition",
                                           labels=["disposition", "pool"])
         for disposition in ("preserve", "swap", "discard"):
-            n, dev, host = snap["dispositions"].get(disposition, (0, 0, 0))
-            paused_req.add_metric([disposition], n)
-            paused_blocks.add_metric([disposition, "device"], dev)
-            paused_blocks.add_metric([disposition, "host"], host)
+            kv = snap.paused_kv.get(disposition, PausedKV())
+            paused_req.add_metric([disposition], kv.requests)
+            paused_blocks.add_metric([disposition, "device"], kv.device_blocks)
+            paused_blocks.add_metric([disposition, "host"], kv.host_blocks)
         yield paused_req
         yield paused_blocks
         waste = CounterMetricFamily("segue_kv_waste_gb_seconds", "Device KV held without producing tokens (GB*s)",
                                     labels=["cause"])
         for cause in ("preserved_idle", "recompute", "swap_stall"):
-            waste.add_metric([cause], snap["waste"][f"{cause}_gbs"])
+            waste.add_metric([cause], snap.waste[f"{cause}_gbs"])
         yield waste
-        yield CounterMetricFamily("segue_preemptions", "Scheduler preemptions", value=snap["preemptions"])
-        hit, query = snap["prefix"]
+        yield CounterMetricFamily("segue_preemptions", "Scheduler preemptions", value=snap.preemptions)
         yield CounterMetricFamily("segue_prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache",
-                                  value=hit)
+                                  value=snap.prefix_hit_tokens)
         yield CounterMetricFamily("segue_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
-                                  value=query)
-        yield CounterMetricFamily("segue_engine_steps", "Engine steps", value=snap["steps"])
+                                  value=snap.prefix_query_tokens)
+        yield CounterMetricFamily("segue_engine_steps", "Engine steps", value=snap.steps)
         durations = GaugeMetricFamily("segue_tool_duration_seconds",
                                       "Observed tool (interception) durations over the recent window",
                                       labels=["tool", "stat"])
         counts = CounterMetricFamily("segue_tool_duration_observations", "Tool durations observed", labels=["tool"])
-        for name, summary in snap["tools"].items():
+        for name, summary in snap.tools.items():
             for stat in ("mean", "p50", "p90", "p99", "max"):
                 durations.add_metric([name, stat], getattr(summary, stat))
             counts.add_metric([name], summary.count)
         yield durations
         yield counts
-        yield from _predictor_families(snap["predictors"])
+        yield from _predictor_families(snap.predictors)
 
 
-def _predictor_families(predictors: dict[str, Any]) -> Iterator[Metric]:
+def _predictor_families(predictors: dict[str, AccuracySnapshot]) -> Iterator[Metric]:
     """Accuracy of each online predictor over every prediction it has had scored (LAMPS §6.4)."""
     samples = CounterMetricFamily("segue_predictor_samples", "Predictions scored against the measured value",
                                   labels=["predictor"])
@@ -149,7 +121,8 @@ def _predictor_families(predictors: dict[str, Any]) -> Iterator[Metric]:
             continue
         mae.add_metric([name], snap.mae)
         for k, frac in snap.within:
-            acc.add_metric([name, f"{k:g}"], frac)
+            if frac is not None:  # scored predictions exist (mae above), so every fraction is known
+                acc.add_metric([name, f"{k:g}"], frac)
     yield samples
     yield mae
     yield acc
@@ -190,7 +163,7 @@ class ServerMetrics:
 
     async def render(self) -> bytes:
         try:
-            self.engine.snapshot = await self.ctx.engine.run_sync(engine_snapshot)
+            self.engine.snapshot = await self.ctx.engine.get_stats()
         except Exception:  # engine gone: still serve the server-side metrics
             self.engine.snapshot = None
         return generate_latest(self.registry)

@@ -52,7 +52,7 @@ def programs(request: Request) -> ProgramExecutor:
     executor = getattr(state, "programs", None)
     if executor is None:
         ctx = serving(request)
-        executor = ProgramExecutor(ctx.engine, encode=ctx.engine.engine.encode, max_model_len=ctx.max_model_len,
+        executor = ProgramExecutor(ctx.engine, encode=ctx.engine.encode, max_model_len=ctx.max_model_len,
                                    call_timeout_s=ctx.config.request_timeout_s)
         state.programs = executor
     return executor

@@ -165,18 +165,17 @@ class ChatTurn:
         if reason == "length":
             # Cut off: no end-of-turn token is held, the next turn's rendering closes the message.
             if not await self.ctx.in_thread(self.ctx.renderer.continues_cut_turn, self.context, segment,
-                                            self.setup.tools, held_ids, self.ctx.engine.engine.encode):
+                                            self.setup.tools, held_ids, self.ctx.engine.encode):
                 return end
         else:
-            tokenizer = self.ctx.engine.engine.tokenizer
-            end_text = tokenizer.decode([c.token_ids[-1]], skip_special_tokens=False)
+            end_text = self.ctx.engine.decode([c.token_ids[-1]])
             if not self.ctx.renderer.ends_turn_with(end_text):
                 return end
         self.ctx.engine.detach(self.request_id)
         end.held = HeldRequest(self.request_id, held_ids, self.context, segment, len(c.text),
                                c.num_generated_tokens, [], self.parser, self.setup.tools, end_text=end_text)
         if self.expected_tool_seconds is not None:  # here: how long the human (or client) takes
-            await self._hint_duration(self.expected_tool_seconds)
+            await self.ctx.engine.expect_resume(self.request_id, self.expected_tool_seconds)
         return end
 
     async def _on_pause(self, out: RequestOutput, c: CompletionOutput) -> TurnEnd | None:
@@ -203,13 +202,13 @@ class ChatTurn:
             held = HeldRequest(self.request_id, list(out.prompt_token_ids) + list(c.token_ids), self.context,
                                segment, len(c.text), c.num_generated_tokens, results, self.parser, self.setup.tools)
             if self.expected_tool_seconds is not None:
-                await self._hint_duration(self.expected_tool_seconds)
+                await self.ctx.engine.expect_resume(self.request_id, self.expected_tool_seconds)
             return self._end(out, "tool_calls", client_calls, held)
         tokens: list[int] = []
         if results:
             text = await self.ctx.in_thread(self.ctx.renderer.continuation, self.context, segment, results,
                                             self.setup.tools)
-            tokens = await self.ctx.in_thread(self.ctx.engine.engine.encode, text)
+            tokens = await self.ctx.in_thread(self.ctx.engine.encode, text)
             self.context = self.context + [{"role": "assistant", "content": segment}] + results
         self.text_start, self.emitted = len(c.text), 0
         try:
@@ -217,14 +216,6 @@ class ChatTurn:
         except InvalidRequestError:  # the results do not fit in the context window
             return self._end(out, "length")
         return None
-
-    async def _hint_duration(self, seconds: float) -> None:
-        """The client's estimate of the pause that just began, so the policy's next decisions use it."""
-        rid = self.request_id
-
-        def hint(engine: Any) -> None:
-            engine.expect_resume(rid, seconds)
-        await self.ctx.engine.run_sync(hint)
 
 
 def _ended_turn(out: RequestOutput) -> bool:

@@ -27,6 +27,7 @@ from typing import Any
 
 from segue.sampling_params import SamplingParams
 from segue.sim.replay import token_range
+from segue.sim.script import scripted
 from segue.sim.workloads.agents import Agent, AgentSpec, system_prompt_ids, task_ids, tool_result_ids
 from segue.trace import TraceSegment
 
@@ -104,7 +105,7 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
             # Held after the last turn until dropped (the resume at 10 × TTL never comes).
             script[-1] = TraceSegment(spec.output_tokens, 10 * ttl_s, [vocab[0]], kind="turn")
             script.append(TraceSegment(1))
-        engine.add_request(f"a{a.index}", list(st.context), params, arrival_time=at, script=script)
+        scripted(engine).add_request(f"a{a.index}", list(st.context), params, script, arrival_time=at)
 
     def push(at: float, idx: int, action: str) -> None:
         nonlocal seq

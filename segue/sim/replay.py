@@ -14,6 +14,7 @@ from typing import Any
 from segue.sampling_params import SamplingParams
 from segue.sched.waste import WasteTotals
 from segue.sim.metrics import RequestRecord, summarize
+from segue.sim.script import scripted
 from segue.sim.workloads.trace_request import TraceRequest
 
 
@@ -88,8 +89,8 @@ def replay(engine: Any, requests: Sequence[TraceRequest], arrivals: Sequence[flo
                 i = order[nxt]
                 prompt, script = requests[i].materialize(rng, vocab)
                 # The scheduled arrival, not the moment we got round to it: queueing counts.
-                engine.add_request(f"r{i}-{requests[i].key}", prompt, params,
-                                   arrival_time=start + arrivals[i], script=script)
+                scripted(engine).add_request(f"r{i}-{requests[i].key}", prompt, params, script,
+                                             arrival_time=start + arrivals[i])
                 nxt += 1
             if engine.has_unfinished_requests():
                 for out in engine.step():

@@ -115,7 +115,7 @@ def make_soak_engine(directory: pathlib.Path, policy: str, kv_cache_tokens: int,
                      context: int = 2048) -> AsyncLLMEngine:
     """The test server's engine with a KV cache sized by the caller: the soak wants the device pool
     small enough that concurrent requests and held sessions force swaps and preemptions."""
-    return support.make_engine(directory, policy, context, kv_cache_tokens, swap_space_tokens)
+    return support.make_async_engine(directory, policy, context, kv_cache_tokens, swap_space_tokens)
 
 
 @dataclass
