@@ -259,8 +259,10 @@ class KVCacheManager(SwapMixin):
 
     @property
     def num_retained_blocks(self) -> int:
-        """Device blocks that only retained contexts hold (what releasing all of them frees)."""
-        return sum(h.num_private_blocks() for h in self._retained.values())
+        """Device blocks that only retained contexts hold: what releasing every one would free (a
+        system prompt two histories share counts once; one a running request shares, not at all)."""
+        refs = Counter(b.block_id for h in self._retained.values() for b in h.blocks)
+        return sum(1 for bid, n in refs.items() if self.device.blocks[bid].ref_cnt == n)
 
     # ---- checks --------------------------------------------------------------------------
     def check_invariants(self) -> None:

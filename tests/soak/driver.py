@@ -119,6 +119,8 @@ class SoakReport:
              f"{final.get('preemptions_total', 0)}"),
             ("leaked KV blocks after drain (device / host)",
              f"{self.leaked_device_blocks} / {self.leaked_host_blocks}"),
+            ("device blocks of retained agent histories after drain (not leaked: released on demand)",
+             str(final.get("retained_device_blocks", 0))),
             ("left after drain (requests / paused / sessions)",
              f"{final.get('requests')} / {final.get('paused')} / {final.get('sessions')}"),
             ("RSS MiB (boot / after warm-up / mid / end)",

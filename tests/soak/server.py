@@ -180,7 +180,11 @@ def engine_probe(e: LLMEngine) -> dict[str, int]:
         "paused": len(s.paused.paused), "swapped": len(s.paused.swapped),
         "held_device_blocks": kv.num_held_blocks(),
         # Blocks whose swap-out copy is in flight go back to the pool at the next step; counted apart.
-        "device_used_blocks": kv.device.num_used_blocks - swapping_out, "swapping_out_blocks": swapping_out,
+        "device_used_blocks": kv.device.num_used_blocks - swapping_out - kv.num_retained_blocks,
+        "swapping_out_blocks": swapping_out,
+        # Finished turns' contexts kept for their agents' next turns (segue/sched/agents.py): held
+        # by design until their agent is back, the usual gap has passed, or memory is needed.
+        "retained_device_blocks": kv.num_retained_blocks,
         "host_table_blocks": sum(len(t) for t in kv.host_tables.values()),
         "host_used_blocks": kv.host.num_used_blocks if kv.host is not None else 0,
         "device_blocks_total": kv.device.num_blocks,
