@@ -273,6 +273,11 @@ class AsyncLLMEngine:
         fut = loop.create_future()
 
         def op() -> None:
+            if self._dead is not None:
+                # Queued when the loop died: the dead engine's state is no answer (a check made
+                # now would report a healthy-looking engine that will never step again).
+                loop.call_soon_threadsafe(fut.set_exception, EngineDeadError(f"the engine loop died: {self._dead!r}"))
+                return
             try:
                 result = fn(self.engine)
             except Exception as e:  # handed to the caller, not swallowed

@@ -29,14 +29,14 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("structured") / "tiny")
 
 
-def make(ckpt: pathlib.Path, kv_tokens: int, batched: int) -> LLMEngine:
+def make(ckpt: pathlib.Path, kv_tokens: int, batched: int, agent_retention: bool = True) -> LLMEngine:
     # Full-precision weights: under the default int8 quantization a step of <= 16 rows runs int8
     # weights and a larger one the kept fp32 ones, so the roomy engine (one large batch) and the
     # tight one (small chunks) would compute different logits and agree only by luck.
     return LLMEngine(EngineConfig(
         model=ModelLoadConfig(model=str(ckpt), dtype="float32", device="cpu", quantization="none"),
         cache=CacheConfig(block_size=4, kv_cache_tokens=kv_tokens),
-        scheduler=SchedulerConfig(max_num_batched_tokens=batched)))
+        scheduler=SchedulerConfig(max_num_batched_tokens=batched, agent_retention=agent_retention)))
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], spec: StructuredSpec) -> dict[str, str]:
@@ -56,7 +56,9 @@ def test_grammar_state_survives_chunked_prefill_and_preemption(ckpt: pathlib.Pat
     prompts = [tok.encode(f"Request {i}: " + "turn on the lights " * 8, add_special_tokens=False) for i in range(6)]
     spec = StructuredSpec.json_schema(LIGHT)
     roomy = run(make(ckpt, kv_tokens=4096, batched=2048), prompts, spec)
-    tight_engine = make(ckpt, kv_tokens=160, batched=24)
+    # Thrashing avoidance (the default) would start no request it cannot finish, so nothing
+    # would be preempted: off here, where preemption is the point.
+    tight_engine = make(ckpt, kv_tokens=160, batched=24, agent_retention=False)
     tight = run(tight_engine, prompts, spec)
     assert tight_engine.scheduler.num_preemptions_total > 0
     # Seeded draws depend on the position only, so a request that was chunked, preempted and
