@@ -160,7 +160,8 @@ class Admission:
         decode = self.decode_room > 0 and _is_resident_decode(sched, req)
         if self.decode_room > 0 and not decode and self.budget <= self.decode_room:
             return AddResult.SKIPPED  # no room for another chunk in this step
-        hits, num_hit = ([], 0)
+        hits: list[KVBlock] = []
+        num_hit = 0
         if req.num_computed_tokens == 0:
             hits, num_hit = sched.kv.get_computed_blocks(req)
             holds_kv = sched.kv.num_device_blocks_of(req.request_id) > 0
