@@ -25,8 +25,8 @@ def load_report(llm: "LLMEngine") -> LoadReport:
     """Read off the engine thread without a lock: each len() is atomic under the GIL, the set of
     them may be one step apart, which is fine for a routing hint."""
     s = llm.scheduler
-    return LoadReport(len(s.running), len(s.waiting), len(s.paused.paused), s.kv.device.num_used_blocks,
-                      s.kv.device.num_blocks)
+    return LoadReport(len(s.running), len(s.waiting), len(s.paused.paused), s.kv.num_used_blocks,
+                      s.kv.num_blocks)
 
 
 def engine_census(llm: "LLMEngine") -> dict[str, int]:

@@ -75,6 +75,7 @@ class HostTier:
     # block, so a context moves in budgeted chunks across steps. Shared blocks never move: they
     # free nothing, and a later swap-in would duplicate what the device still holds.
     def swap_out(self, request: Request, max_blocks: int) -> Copies:
+        """A block whose content the host tier already holds is not copied."""
         if max_blocks <= 0:
             return []
         rid = request.request_id
@@ -112,6 +113,8 @@ class HostTier:
         return copies
 
     def swap_in(self, request: Request, max_blocks: int) -> Copies:
+        """A block the device cache still holds is shared instead of copied (and costs no copy),
+        so a step either copies something or moves the whole host part."""
         rid = request.request_id
         host_table = self.tables.get(rid, [])
         if not host_table or max_blocks <= 0:

@@ -67,42 +67,24 @@ class KVCacheManager:
 
     # ---- queries: the pools --------------------------------------------------------------
     # What the scheduler, the engine and the metrics read; they never see the pools or tables.
+    # Device pool: its size, free and used blocks, and the used fraction.
     @property
-    def num_blocks(self) -> int:
-        return self.device.num_blocks
-
+    def num_blocks(self) -> int: return self.device.num_blocks
     @property
-    def num_free_blocks(self) -> int:
-        return self.device.num_free_blocks
-
+    def num_free_blocks(self) -> int: return self.device.num_free_blocks
     @property
-    def num_used_blocks(self) -> int:
-        return self.device.num_used_blocks
+    def num_used_blocks(self) -> int: return self.device.num_used_blocks
+    def usage(self) -> float: return self.device.usage()
 
+    # Host pool: the same, all 0 without one.
     @property
-    def num_cached_free_blocks(self) -> int:
-        """Free device blocks that a prefix hit could still revive."""
-        return self.device.num_cached_free_blocks
-
-    def usage(self) -> float:
-        """The fraction of the device pool in use."""
-        return self.device.usage()
-
+    def has_host_tier(self) -> bool: return self.host is not None
     @property
-    def has_host_tier(self) -> bool:
-        return self.host is not None
-
+    def num_host_blocks(self) -> int: return self.host.num_blocks if self.host is not None else 0
     @property
-    def num_host_blocks(self) -> int:
-        return self.host.num_blocks if self.host is not None else 0
-
+    def num_free_host_blocks(self) -> int: return self.host.num_free_blocks if self.host is not None else 0
     @property
-    def num_free_host_blocks(self) -> int:
-        return self.host.num_free_blocks if self.host is not None else 0
-
-    @property
-    def num_used_host_blocks(self) -> int:
-        return self.host.num_used_blocks if self.host is not None else 0
+    def num_used_host_blocks(self) -> int: return self.host.num_used_blocks if self.host is not None else 0
 
     @property
     def num_swapping_out_blocks(self) -> int:
@@ -121,7 +103,7 @@ class KVCacheManager:
     # ---- queries: one request ------------------------------------------------------------
     def request_ids_with_blocks(self) -> list[str]:
         """The requests that hold device blocks (bounded by the pool, unlike the queues)."""
-        return list(self.tables)
+        return [rid for rid, table in self.tables.items() if table]
 
     def request_ids_on_host(self) -> list[str]:
         """The requests that hold host blocks."""
@@ -288,13 +270,12 @@ class KVCacheManager:
 
     def swap_out_blocks(self, request: Request, max_blocks: int) -> Copies:
         """Move up to max_blocks of the request's private device tail to the host; returns the
-        (device, host) copies. A block whose content the host tier already holds is not copied."""
+        (device, host) copies (HostTier.swap_out)."""
         return self._tier.swap_out(request, max_blocks) if self._tier is not None else []
 
     def swap_in_blocks(self, request: Request, max_blocks: int) -> Copies:
         """Bring host blocks back to the device, up to max_blocks copies; returns the (host,
-        device) copies. A block the device cache still holds is shared instead of copied (and
-        costs no copy), so a step either copies something or moves the whole host part."""
+        device) copies (HostTier.swap_in)."""
         return self._tier.swap_in(request, max_blocks) if self._tier is not None else []
 
     def release_swapped_out(self) -> None:

@@ -171,9 +171,8 @@ class PausedRequests:
         if not self.policy.acts_on_paused:
             return plan
         views = []
-        tables = self.kv.tables
         for rid, req in self.paused.items():
-            if not tables.get(rid):
+            if not self.kv.num_device_blocks_of(rid):
                 continue
             dev = self.device_tokens(req)
             if dev <= 0:
@@ -186,7 +185,7 @@ class PausedRequests:
         # The swap-out limit applies to budgeted policies; `swap` asks for everything and the
         # copies past the free limit stall the step (accounted as swap waste).
         # Without host room, a swap decision would move nothing and leave the context held.
-        host_room = self.kv.host.num_free_blocks if self.kv.host is not None else 0
+        host_room = self.kv.num_free_host_blocks
         state = StepState(now, running_tokens, num_running, min(limit_blocks, host_room) * bs, self.cost)
         for rid, decision in self.policy.decide(views, state).items():
             req = self.paused[rid]

@@ -255,7 +255,7 @@ class Scheduler(SchedulerState):
         return params.pause_on_length and req.num_tokens < self.max_model_len
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.device.usage(),
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(),
                               self.num_preemptions_total, self.prefix_hit_tokens, self.prefix_query_tokens)
 
     def check_invariants(self) -> None:
@@ -264,21 +264,21 @@ class Scheduler(SchedulerState):
         ids += list(self.paused.paused)
         assert len(ids) == len(set(ids)), "a request is queued twice"
         assert set(ids) == set(self.requests), "queues and the request table disagree"
-        for rid in self.kv.tables:
+        for rid in self.kv.request_ids_with_blocks():
             assert rid in self.requests, f"finished request {rid} still holds KV blocks"
         for req in self.running:
             assert req.status == RequestStatus.RUNNING
-            held = len(self.kv.tables.get(req.request_id, ()))
+            held = self.kv.num_device_blocks_of(req.request_id)
             assert held * self.kv.block_size >= req.num_computed_tokens, f"{req.request_id}: KV lost"
         for req in self.waiting:
-            assert req.request_id not in self.kv.host_tables, f"{req.request_id} waits with KV on the host"
+            assert not self.kv.has_host_blocks(req.request_id), f"{req.request_id} waits with KV on the host"
         holders = {r.request_id for r in self.waiting if self.kv.num_device_blocks_of(r.request_id)}
         assert holders == {r.request_id for r in self.waiting_holders()}, "waiting holders misfound"
         for req in self.paused.paused.values():
             assert req.status == RequestStatus.INTERCEPTED and req.interception is not None
         for req in self.paused.swapped:
-            assert req.status == RequestStatus.SWAPPED and req.request_id in self.kv.host_tables
-        for rid in self.kv.host_tables:
+            assert req.status == RequestStatus.SWAPPED and self.kv.has_host_blocks(req.request_id)
+        for rid in self.kv.request_ids_on_host():
             req = self.requests[rid]
             assert req.status in (RequestStatus.INTERCEPTED, RequestStatus.SWAPPED), \
                 f"{rid}: host KV while {req.status}"

@@ -58,8 +58,8 @@ def engine_snapshot(e: LLMEngine) -> dict[str, Any]:
     return {
         "queues": {"running": len(s.running), "waiting": len(s.waiting), "paused": len(s.paused.paused),
                    "swapped": len(s.paused.swapped)},
-        "device_blocks": (kv.device.num_used_blocks, kv.device.num_blocks),
-        "host_blocks": (kv.host.num_used_blocks, kv.host.num_blocks) if kv.host else (0, 0),
+        "device_blocks": (kv.num_used_blocks, kv.num_blocks),
+        "host_blocks": (kv.num_used_host_blocks, kv.num_host_blocks),
         "dispositions": dict(dispositions),
         "waste": e.waste.totals.as_dict(),
         "preemptions": s.num_preemptions_total,
