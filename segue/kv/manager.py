@@ -28,6 +28,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_salt = hash_salt
         self._hasher = BlockHasher(block_size, hash_salt)
+        # The pools and tables below are segue/kv's own: other modules use the queries further
+        # down (tests/test_architecture.py fails otherwise), so the layout can change behind them.
         self.device = BlockPool(num_device_blocks, enable_prefix_caching, "device")
         # A request's device blocks, head first; the host tier holds the rest of its context.
         self.tables: dict[str, list[KVBlock]] = {}
