@@ -15,8 +15,8 @@ from segue.tools.stats import DurationStats
 def load_report(s: Scheduler) -> LoadReport:
     """Safe off the engine thread without a lock: each len() is atomic under the GIL, the set of
     them may be one step apart, which is fine for a routing hint."""
-    return LoadReport(len(s.running), len(s.waiting), len(s.paused.paused), s.kv.device.num_used_blocks,
-                      s.kv.device.num_blocks)
+    return LoadReport(len(s.running), len(s.waiting), len(s.paused.paused), s.kv.num_used_blocks,
+                      s.kv.num_blocks)
 
 
 def engine_stats(s: Scheduler, waste: WasteMeter, num_steps: int, tool_stats: DurationStats,
@@ -30,10 +30,10 @@ def engine_stats(s: Scheduler, waste: WasteMeter, num_steps: int, tool_stats: Du
         row[0] += 1
         row[1] += kv.num_device_blocks_of(rid)
         row[2] += kv.num_host_blocks_of(rid)
-    host_used, host_total = (kv.host.num_used_blocks, kv.host.num_blocks) if kv.host else (0, 0)
+    host_used, host_total = kv.num_used_host_blocks, kv.num_host_blocks
     return EngineStats(
         running=len(s.running), waiting=len(s.waiting), paused=len(s.paused.paused), swapped=len(s.paused.swapped),
-        device_blocks_used=kv.device.num_used_blocks, device_blocks_total=kv.device.num_blocks,
+        device_blocks_used=kv.num_used_blocks, device_blocks_total=kv.num_blocks,
         host_blocks_used=host_used, host_blocks_total=host_total,
         paused_kv={d: PausedKV(*row) for d, row in paused.items()},
         waste=waste.totals.as_dict(), preemptions=s.num_preemptions_total,

@@ -37,6 +37,16 @@ class KVBlock:
     heap_seq: int = 0
 
 
+def num_private_tail(blocks: list[KVBlock]) -> int:
+    """How many blocks at the end of a table no other holder shares: what letting it go frees.
+    References only grow toward the head (a prefix hit takes every block before the one it
+    shares), so the private blocks are a suffix."""
+    n = 0
+    while n < len(blocks) and blocks[len(blocks) - 1 - n].ref_cnt == 1:
+        n += 1
+    return n
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True, name: str = "device") -> None:
         if num_blocks < 1:
@@ -106,8 +116,11 @@ class BlockPool:
         # at one of the two ends of the reuse_at order.
         latest, most_overdue = self._top(self._heap), self._top(self._overdue)
         top = latest
-        if most_overdue is not None and 2 * self.now - most_overdue.reuse_at > latest.reuse_at:
-            top = most_overdue
+        # Both heaps index the same keyed blocks, so they are empty together; a keyed block has its key.
+        if latest is not None and most_overdue is not None:
+            assert latest.reuse_at is not None and most_overdue.reuse_at is not None
+            if 2 * self.now - most_overdue.reuse_at > latest.reuse_at:
+                top = most_overdue
         if top is not None and (top.reuse_at == math.inf or not self._lru):
             del self._hinted[top.block_id]
             return top

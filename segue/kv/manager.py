@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from segue.kv.block_pool import BlockPool, KVBlock
-from segue.kv.retained import RetainedContext
-from segue.kv.swapping import SwapMixin
+from segue.kv.block_pool import BlockPool, KVBlock, num_private_tail
+from segue.kv.hashing import BlockHasher
+from segue.kv.host_tier import Copies, HostLink, HostTier
+from segue.kv.retained import RetainedContext, RetainedContexts
 from segue.request import Request
 
 
@@ -18,7 +19,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager(SwapMixin):
+class KVCacheManager:
     def __init__(self, block_size: int, num_device_blocks: int, num_host_blocks: int = 0,
                  enable_prefix_caching: bool = True, hash_salt: int = 0) -> None:
         if block_size < 1:
@@ -26,42 +27,39 @@ class KVCacheManager(SwapMixin):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_salt = hash_salt
+        self._hasher = BlockHasher(block_size, hash_salt)
+        # The pools and tables below are segue/kv's own: other modules use the queries further
+        # down (tests/test_architecture.py fails otherwise), so the layout can change behind them.
         self.device = BlockPool(num_device_blocks, enable_prefix_caching, "device")
-        self.host = BlockPool(num_host_blocks, enable_prefix_caching, "host") if num_host_blocks > 0 else None
-        # A request's context: device blocks for block indices [0, d), then host blocks for [d, n).
+        # A request's device blocks, head first; the host tier holds the rest of its context.
         self.tables: dict[str, list[KVBlock]] = {}
-        self.host_tables: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request are already published in the prefix cache.
         self._num_registered: dict[str, int] = {}
         # Contexts held for a finished request's expected continuation (retain()).
-        self._retained: dict[int, RetainedContext] = {}
-        # Device blocks being copied out during the current step: the copy overlaps the forward
-        # pass, so they return to the pool only at the next step (release_swapped_out()).
-        self._swapping_out: list[KVBlock] = []
-        # Host blocks being written this step: published in the host tier only once the copy is done.
-        self._host_pending: list[tuple[KVBlock, int, tuple[int, ...]]] = []
-        # Host blocks that this step's copies read (swap-ins) or write (swap-outs) and that their
-        # owner let go of: free only from the next step, so that no other copy of this step
-        # (write-backs run first, swap-outs last) lands on one out of order.
-        self._host_deferred: list[KVBlock] = []
-        self._host_writing: set[int] = set()
-        # The host link's budget for this step, in blocks: swap-ins, swap-outs and write-backs all
-        # draw from it, so together they copy no more than hides behind the step's compute. The
-        # scheduler opens it each step (open_link) and take_back_ups() closes it.
-        self.link_budget = 0
-        # Write-back (SGLang's write_back policy): a cached device block evicted while the link
-        # budget has room is copied to the host tier instead of lost; only once the scheduler has
-        # planned the swaps that come first (open_write_backs()).
-        self._write_backs_open = False
-        self._back_ups: list[tuple[int, int]] = []
-        self._backed_up: list[KVBlock] = []
-        # The device eviction key of each written-back block (None: plain LRU), kept in the host tier.
-        self._backed_up_keys: list[float | None] = []
-        # Set when finished requests' blocks are freed with eviction keys (prefix_eviction="reuse"):
-        # host blocks read back are then keyed too, so that one order covers the whole tier.
-        self.keyed_reloads = False
-        if self.host is not None and enable_prefix_caching:
-            self.device.on_evict = self._back_up
+        self._retained = RetainedContexts(self.device)
+        # The scheduler opens the link each step (open_link) and take_back_ups() closes it.
+        self._link = HostLink()
+        self._tier: HostTier | None = None
+        if num_host_blocks > 0:
+            self._tier = HostTier(BlockPool(num_host_blocks, enable_prefix_caching, "host"), self.device,
+                                  self.tables, self._num_registered, self._hasher, self._link,
+                                  enable_prefix_caching)
+        self.host = self._tier.pool if self._tier is not None else None
+
+    @property
+    def host_tables(self) -> dict[str, list[KVBlock]]:
+        """Each request's host blocks, which continue its device table (empty without a host tier)."""
+        return self._tier.tables if self._tier is not None else {}
+
+    @property
+    def keyed_reloads(self) -> bool:
+        """Whether host blocks read back are keyed for eviction (HostTier.keyed_reloads)."""
+        return self._tier is not None and self._tier.keyed_reloads
+
+    @keyed_reloads.setter
+    def keyed_reloads(self, on: bool) -> None:
+        if self._tier is not None:
+            self._tier.keyed_reloads = on
 
     def set_clock(self, now: float) -> None:
         """The scheduler's time, for the eviction order of blocks kept for an expected resume."""
@@ -69,13 +67,62 @@ class KVCacheManager(SwapMixin):
         if self.host is not None:
             self.host.now = now
 
-    # ---- queries -------------------------------------------------------------------------
+    # ---- queries: the pools --------------------------------------------------------------
+    # What the scheduler, the engine and the metrics read; they never see the pools or tables.
+    # Device pool: its size, free and used blocks, and the used fraction.
     @property
-    def num_free_blocks(self) -> int:
-        return self.device.num_free_blocks
+    def num_blocks(self) -> int: return self.device.num_blocks
+    @property
+    def num_free_blocks(self) -> int: return self.device.num_free_blocks
+    @property
+    def num_used_blocks(self) -> int: return self.device.num_used_blocks
+    def usage(self) -> float: return self.device.usage()
+
+    # Host pool: the same, all 0 without one.
+    @property
+    def has_host_tier(self) -> bool: return self.host is not None
+    @property
+    def num_host_blocks(self) -> int: return self.host.num_blocks if self.host is not None else 0
+    @property
+    def num_free_host_blocks(self) -> int: return self.host.num_free_blocks if self.host is not None else 0
+    @property
+    def num_used_host_blocks(self) -> int: return self.host.num_used_blocks if self.host is not None else 0
+
+    @property
+    def num_swapping_out_blocks(self) -> int:
+        """Device blocks whose copy to the host is in flight: used until the next step."""
+        return len(self._tier.swapping_out) if self._tier is not None else 0
+
+    @property
+    def link_budget(self) -> int:
+        """Blocks the host link may still copy in this step (open_link)."""
+        return self._link.budget
+
+    def num_held_blocks(self) -> int:
+        """Device blocks in requests' tables (counted once per table that holds them)."""
+        return sum(len(t) for t in self.tables.values())
+
+    # ---- queries: one request ------------------------------------------------------------
+    def request_ids_with_blocks(self) -> list[str]:
+        """The requests that hold device blocks (bounded by the pool, unlike the queues)."""
+        return [rid for rid, table in self.tables.items() if table]
+
+    def request_ids_on_host(self) -> list[str]:
+        """The requests that hold host blocks."""
+        return list(self.host_tables)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(request_id, ())]
+
+    def num_device_blocks_of(self, request_id: str) -> int:
+        return len(self.tables.get(request_id, ()))
+
+    def num_host_blocks_of(self, request_id: str) -> int:
+        return len(self.host_tables.get(request_id, ()))
+
+    def has_host_blocks(self, request_id: str) -> bool:
+        """Whether part of the request's context is on the host (a host table is never empty)."""
+        return request_id in self.host_tables
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         total = request.num_computed_tokens + num_new_tokens
@@ -83,13 +130,8 @@ class KVCacheManager(SwapMixin):
 
     def num_private_blocks_of(self, request_id: str) -> int:
         """The tail of a request's device table that no other table shares: what swapping or
-        dropping it would free. References only grow toward the head (a prefix hit takes all
-        blocks before the one it shares), so the private blocks are a suffix."""
-        table = self.tables.get(request_id, ())
-        n = 0
-        while n < len(table) and table[len(table) - 1 - n].ref_cnt == 1:
-            n += 1
-        return n
+        dropping it would free."""
+        return num_private_tail(self.tables.get(request_id, []))
 
     def private_device_tokens(self, request: Request) -> int:
         """Computed tokens held in the request's private device blocks."""
@@ -98,29 +140,25 @@ class KVCacheManager(SwapMixin):
         on_device = max(0, min(d * self.block_size, request.num_computed_tokens))
         return max(0, on_device - (d - self.num_private_blocks_of(rid)) * self.block_size)
 
-    def _update_block_hashes(self, request: Request) -> None:
-        bs = self.block_size
-        hashes = request.block_hashes
-        parent = hashes[-1] if hashes else hash((self.hash_salt, request.cache_salt))
-        for i in range(len(hashes), request.num_tokens // bs):
-            parent = hash((parent, tuple(request.tokens_slice(i * bs, (i + 1) * bs))))
-            hashes.append(parent)
+    @staticmethod
+    def num_free_among(hits: list[KVBlock]) -> int:
+        """Cached hits that sit in the free list: taking them takes free blocks."""
+        return sum(1 for b in hits if b.ref_cnt == 0)
 
+    # ---- prefix cache --------------------------------------------------------------------
     def full_block_hashes(self, request: Request) -> list[int]:
         """The prefix-cache hashes of the request's full blocks (its token chain), head first."""
-        self._update_block_hashes(request)
-        return request.block_hashes
+        return self._hasher.update(request)
 
     def _block_key(self, request: Request, i: int) -> tuple[int, tuple[int, ...]]:
-        bs = self.block_size
-        return request.block_hashes[i], tuple(request.tokens_slice(i * bs, (i + 1) * bs))
+        return self._hasher.key(request, i)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest device-cached prefix of a request that holds no blocks yet, in whole blocks."""
         rid = request.request_id
         if not self.enable_prefix_caching or rid in self.tables or rid in self.host_tables:
             return [], 0
-        self._update_block_hashes(request)
+        self._hasher.update(request)
         hits: list[KVBlock] = []
         for i in range(len(request.block_hashes)):
             block = self.device.lookup(*self._block_key(request, i))
@@ -134,17 +172,9 @@ class KVCacheManager(SwapMixin):
 
     def get_host_hits(self, request: Request, num_device_hits: int) -> list[KVBlock]:
         """Host-tier blocks that continue a request's device hits (call after get_computed_blocks)."""
-        if self.host is None or not self.enable_prefix_caching:
+        if self._tier is None or not self.enable_prefix_caching:
             return []
-        hits: list[KVBlock] = []
-        for i in range(num_device_hits, len(request.block_hashes)):
-            if (i + 1) * self.block_size >= request.num_tokens:
-                break  # the last token is always computed
-            block = self.host.lookup(*self._block_key(request, i))
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        return self._tier.lookup_hits(request, num_device_hits)
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -157,8 +187,7 @@ class KVCacheManager(SwapMixin):
         total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         need = cdiv(total, self.block_size) - len(table) - len(computed_blocks)
         # Cached hits sitting in the free list stop being free once we take them.
-        hits_in_free = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if need > self.device.num_free_blocks - hits_in_free:
+        if need > self.device.num_free_blocks - self.num_free_among(computed_blocks):
             return False
         self.device.touch(computed_blocks)
         table = table + computed_blocks + (self.device.allocate(need) if need > 0 else [])
@@ -169,12 +198,12 @@ class KVCacheManager(SwapMixin):
         """Take a request's device and host-tier hits as its context (device part first, host part
         after it), to be swapped in like a resumed swapped-out request before it runs."""
         assert host_hits and request.num_computed_tokens == 0
+        assert self._tier is not None, "host hits without a host tier"
         rid = request.request_id
         self.device.touch(device_hits)
         if device_hits:
             self.tables[rid] = list(device_hits)
-        self.host.touch(host_hits)
-        self.host_tables[rid] = list(host_hits)
+        self._tier.attach(rid, host_hits)
         self._num_registered[rid] = len(device_hits)
         request.num_computed_tokens = (len(device_hits) + len(host_hits)) * self.block_size
 
@@ -189,7 +218,7 @@ class KVCacheManager(SwapMixin):
         start = self._num_registered.get(request.request_id, 0)
         if n_full <= start:
             return
-        self._update_block_hashes(request)
+        self._hasher.update(request)
         for i in range(start, n_full):
             self.device.register(table[i], *self._block_key(request, i))
         self._num_registered[request.request_id] = n_full
@@ -205,8 +234,8 @@ class KVCacheManager(SwapMixin):
                 raise ValueError(f"request {rid}: {len(reuse_at)} eviction keys for {len(table)} blocks")
             self.device.free(list(reversed(table)), list(reversed(reuse_at)) if reuse_at is not None else None)
         host_table = self.host_tables.pop(rid, None)
-        if host_table:
-            self._free_host(list(reversed(host_table)))
+        if host_table and self._tier is not None:
+            self._tier.free(list(reversed(host_table)))
         self._num_registered.pop(rid, None)
 
     def release(self, request: Request, reuse_at: float | None = None, block_recompute_s: float = 0.0) -> None:
@@ -216,8 +245,10 @@ class KVCacheManager(SwapMixin):
         expected resume; None: plain LRU) lowered by (n - i) * `block_recompute_s`, the recompute
         that losing it costs (it and everything after it), so a context's head outlives its tail."""
         rid = request.request_id
-        for free, table in ((self.device.free, self.tables.pop(rid, None)),
-                            (self._free_host, self.host_tables.pop(rid, None))):
+        tiers = [(self.device.free, self.tables.pop(rid, None))]
+        if self._tier is not None:
+            tiers.append((self._tier.free, self._tier.tables.pop(rid, None)))
+        for free, table in tiers:
             if not table:
                 continue
             keys = None
@@ -228,6 +259,37 @@ class KVCacheManager(SwapMixin):
             free(list(reversed(table)), keys)
         self._num_registered.pop(rid, None)
         request.num_computed_tokens = 0
+
+    # ---- swapping (HostTier; without host memory nothing moves) --------------------------
+    def open_link(self, blocks: int) -> None:
+        """A step begins: its copies may move `blocks` blocks in all. Write-backs wait for
+        open_write_backs(), so that the swaps planned first take their share before them."""
+        self._link.open(blocks)
+
+    def open_write_backs(self) -> None:
+        """Cached device blocks evicted from now on are written back within what is left."""
+        self._link.write_backs_open = True
+
+    def swap_out_blocks(self, request: Request, max_blocks: int) -> Copies:
+        """Move up to max_blocks of the request's private device tail to the host; returns the
+        (device, host) copies (HostTier.swap_out)."""
+        return self._tier.swap_out(request, max_blocks) if self._tier is not None else []
+
+    def swap_in_blocks(self, request: Request, max_blocks: int) -> Copies:
+        """Bring host blocks back to the device, up to max_blocks copies; returns the (host,
+        device) copies (HostTier.swap_in)."""
+        return self._tier.swap_in(request, max_blocks) if self._tier is not None else []
+
+    def release_swapped_out(self) -> None:
+        """The previous step's copies are done (HostTier.release_swapped_out)."""
+        if self._tier is not None:
+            self._tier.release_swapped_out()
+
+    def take_back_ups(self) -> Copies:
+        """This step's write-back copies (device, host); the link budget ends with the step."""
+        out = self._tier.take_back_ups() if self._tier is not None else []
+        self._link.close()
+        return out
 
     # ---- retained contexts ---------------------------------------------------------------
     def retain(self, request: Request) -> RetainedContext | None:
@@ -243,47 +305,27 @@ class KVCacheManager(SwapMixin):
         table = self.tables.pop(rid)
         self._num_registered.pop(rid, None)
         self.device.free(list(reversed(table[n:])))
-        handle = RetainedContext(table[:n])
-        self._retained[id(handle)] = handle
-        return handle
+        return self._retained.hold(table[:n])
 
     def release_retained(self, handle: RetainedContext) -> int:
         """Let a retained context go into the prefix cache (evictable, still findable: a late
         continuation recomputes only what was evicted since). Returns the device blocks freed."""
-        if self._retained.pop(id(handle), None) is None:
-            return 0
-        before = self.device.num_free_blocks
-        self.device.free(list(reversed(handle.blocks)))
-        handle.blocks = []
-        return self.device.num_free_blocks - before
+        return self._retained.release(handle)
 
     @property
     def num_retained_blocks(self) -> int:
-        """Device blocks that only retained contexts hold: what releasing every one would free (a
-        system prompt two histories share counts once; one a running request shares, not at all)."""
-        refs = Counter(b.block_id for h in self._retained.values() for b in h.blocks)
-        return sum(1 for bid, n in refs.items() if self.device.blocks[bid].ref_cnt == n)
+        """Device blocks that only retained contexts hold: what releasing every one would free."""
+        return self._retained.num_private_blocks()
 
     # ---- checks --------------------------------------------------------------------------
     def check_invariants(self) -> None:
         refs = Counter(b.block_id for table in self.tables.values() for b in table)
-        refs.update(b.block_id for b in self._swapping_out)
-        refs.update(b.block_id for h in self._retained.values() for b in h.blocks)
-        for rid, table in self.host_tables.items():
-            assert table, f"request {rid} has an empty host table"
-            assert len({b.block_id for b in table}) == len(table), f"request {rid} holds a host block twice"
+        if self._tier is not None:
+            refs.update(b.block_id for b in self._tier.swapping_out)
+        refs.update(b.block_id for b in self._retained.blocks())
         for rid, table in self.tables.items():
             assert table, f"request {rid} has an empty device table"
             assert len({b.block_id for b in table}) == len(table), f"request {rid} holds a block twice"
         self.device.check_invariants(refs)
-        if self.host is not None:
-            host_refs = Counter(b.block_id for t in self.host_tables.values() for b in t)
-            host_refs.update(b.block_id for b in self._host_deferred + self._backed_up)
-            self.host.check_invariants(host_refs)
-            pending = [b.block_id for b, _, _ in self._host_pending]
-            assert len(set(pending)) == len(pending), "a host block is written twice in one step"
-        else:
-            assert not self.host_tables and not self._host_pending and not self._back_ups
-
-    def num_held_blocks(self) -> int:
-        return sum(len(t) for t in self.tables.values())
+        if self._tier is not None:
+            self._tier.check_invariants()

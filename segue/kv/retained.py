@@ -4,9 +4,11 @@ each of its cached blocks, so they are neither free nor evictable until it is re
 request that extends the context finds them through the prefix cache like any cached block."""
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from segue.kv.block_pool import KVBlock
+from segue.kv.block_pool import BlockPool, KVBlock, num_private_tail
 
 
 @dataclass(eq=False)
@@ -20,8 +22,39 @@ class RetainedContext:
 
     def num_private_blocks(self) -> int:
         """Blocks that releasing the handle frees: those no running request or other handle holds
-        (a shared system prompt stays). References grow toward the head, so they are a suffix."""
-        n = 0
-        while n < len(self.blocks) and self.blocks[len(self.blocks) - 1 - n].ref_cnt == 1:
-            n += 1
-        return n
+        (a shared system prompt stays)."""
+        return num_private_tail(self.blocks)
+
+
+class RetainedContexts:
+    """The live handles of one device pool (KVCacheManager.retain): a released or unknown handle
+    is ignored, so that releasing twice frees nothing twice."""
+
+    def __init__(self, device: BlockPool) -> None:
+        self.device = device
+        self._handles: dict[int, RetainedContext] = {}
+
+    def hold(self, blocks: list[KVBlock]) -> RetainedContext:
+        handle = RetainedContext(blocks)
+        self._handles[id(handle)] = handle
+        return handle
+
+    def release(self, handle: RetainedContext) -> int:
+        """Free the handle's blocks into the prefix cache; returns the device blocks freed."""
+        if self._handles.pop(id(handle), None) is None:
+            return 0
+        before = self.device.num_free_blocks
+        self.device.free(list(reversed(handle.blocks)))
+        handle.blocks = []
+        return self.device.num_free_blocks - before
+
+    def num_private_blocks(self) -> int:
+        """Device blocks only retained handles hold: what releasing every one would free (a system
+        prompt two histories share counts once; one a running request shares, not at all)."""
+        refs = Counter(b.block_id for h in self._handles.values() for b in h.blocks)
+        return sum(1 for bid, n in refs.items() if self.device.blocks[bid].ref_cnt == n)
+
+    def blocks(self) -> Iterator[KVBlock]:
+        """Every block a handle holds, one per reference."""
+        for handle in self._handles.values():
+            yield from handle.blocks

@@ -107,7 +107,7 @@ class Admission:
         # mix: mean end-to-end latency 27% above FCFS's; with half the budget, 6% below).
         if self.preemptive:
             self.decode_room = _count_resident_decodes(sched, int(self.budget * sched.policy.decode_share))
-        self.watermark_blocks = int(sched.config.watermark * sched.kv.device.num_blocks)
+        self.watermark_blocks = int(sched.config.watermark * sched.kv.num_blocks)
         self.capacity = LatencyCapacity.of(sched)
         if sched.agents is not None and not self.preemptive:
             # Preemptive orders admit into a full pool on purpose: their head takes memory from
@@ -160,7 +160,8 @@ class Admission:
         decode = self.decode_room > 0 and _is_resident_decode(sched, req)
         if self.decode_room > 0 and not decode and self.budget <= self.decode_room:
             return AddResult.SKIPPED  # no room for another chunk in this step
-        hits, num_hit = ([], 0)
+        hits: list[KVBlock] = []
+        num_hit = 0
         if req.num_computed_tokens == 0:
             hits, num_hit = sched.kv.get_computed_blocks(req)
             holds_kv = sched.kv.num_device_blocks_of(req.request_id) > 0
@@ -198,7 +199,7 @@ class Admission:
         # from its computed tokens, so its hits are not in it) and the hits that sit in the free
         # list. Not the watermark: discarding paused contexts to keep headroom defeats the
         # headroom (measured: more recompute).
-        need = sched.kv.num_blocks_needed(req, num_new) + sum(1 for b in hits if b.ref_cnt == 0)
+        need = sched.kv.num_blocks_needed(req, num_new) + sched.kv.num_free_among(hits)
         freed = sched.paused.release_for_memory(need, sched.now)
         if sched.agents is not None and not (self.scheduled or sched.running) and self.free_blocks < need:
             # Nothing runs: retained histories are the only memory that could ever come free.

@@ -185,20 +185,21 @@ class AgentTracker:
         return freed
 
     def releasable_blocks(self, keep: AgentState | None = None) -> int:
-        return sum(a.context.num_private_blocks() for a in self._holders(keep))
+        return sum(_held(a).num_private_blocks() for a in self._holders(keep))
 
     def _holders(self, keep: AgentState | None) -> list[AgentState]:
         return [a for a in self._agents.values() if a.context is not None and a is not keep]
 
     def _hold_cost(self, agent: AgentState, now: float) -> float:
-        blocks = agent.context.num_private_blocks()
+        context = _held(agent)
+        blocks = context.num_private_blocks()
         due = agent.expected_back
         wait = due - now if due >= now else now - due
-        recompute_s = self.cost.t_fwd_extra(agent.context.num_blocks * self.kv.block_size)
+        recompute_s = self.cost.t_fwd_extra(context.num_blocks * self.kv.block_size)
         return blocks * max(wait, 1e-3) / max(recompute_s, 1e-9)
 
     def _let_go(self, agent: AgentState) -> int:
-        freed = self.kv.release_retained(agent.context)
+        freed = self.kv.release_retained(_held(agent))
         agent.context = None
         return freed
 
@@ -209,3 +210,9 @@ class AgentTracker:
                 self._let_go(agent)
         if len(self._chain_ends) > 4 * self.max_agents:
             self._chain_ends = {h: a for h, a in self._chain_ends.items() if a in self._agents}
+
+
+def _held(agent: AgentState) -> RetainedContext:
+    """The context of an agent that holds one (the holders _holders() lists)."""
+    assert agent.context is not None, "this agent retains no context"
+    return agent.context

@@ -58,7 +58,8 @@ class CostModel:
         return int(self.t_fwd(batch_tokens) * self.swap_bytes_per_s / self.kv_bytes_per_token)
 
     # ---- waste equations (InferCept eqs. 2 and 4), in byte-seconds -----------------------
-    def waste_preserve(self, duration_s: float, context_tokens: int) -> float:
+    def waste_preserve(self, duration_s: float, context_tokens: float) -> float:
+        # Tokens as a float: LAMPS weighs an expected context, not a count of blocks held.
         return duration_s * context_tokens * self.kv_bytes_per_token
 
     def waste_chunked_discard(self, context_tokens: int, other_tokens: int, running_tokens: int) -> float:

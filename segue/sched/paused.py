@@ -18,6 +18,12 @@ class SwapPlan:
     ready: list[Request] = field(default_factory=list)             # back on the device, runnable
 
 
+def _pause_of(req: Request) -> Interception:
+    """A paused request's interception: set by intercept() and cleared only by resume()."""
+    assert req.interception is not None, f"{req.request_id} is not paused"
+    return req.interception
+
+
 class PausedRequests:
     def __init__(self, kv: KVCacheManager, policy: InterceptionPolicy, cost: CostModel) -> None:
         self.kv = kv
@@ -39,7 +45,7 @@ class PausedRequests:
         """The interception ended; `tokens` (the tool result) join the context. Returns True when
         the request can queue for compute now, False when it must first swap in."""
         del self.paused[req.request_id]
-        req.interception.t_resume = now
+        _pause_of(req).t_resume = now
         req.interception = None
         req.output_token_ids.extend(tokens)
         req.num_appended_tokens += len(tokens)
@@ -94,7 +100,7 @@ class PausedRequests:
         """The predicted resume time: the known or predicted duration, else InferCept's dynamic
         estimate (a pause expected to last as long again as it has lasted so far; once overdue,
         as long again as it is overdue)."""
-        it = req.interception
+        it = _pause_of(req)
         if it.expected_duration is None:
             return now + (now - it.t_call)
         due = it.t_call + it.expected_duration
@@ -107,7 +113,8 @@ class PausedRequests:
         req = self.paused.get(request_id)
         if req is None:
             return False
-        req.interception.expected_duration = max(0.0, t - req.interception.t_call)
+        it = _pause_of(req)
+        it.expected_duration = max(0.0, t - it.t_call)
         return True
 
     def abandon(self, request_id: str) -> bool:
@@ -117,7 +124,7 @@ class PausedRequests:
         req = self.paused.get(request_id)
         if req is None:
             return False
-        req.interception.expected_duration = math.inf
+        _pause_of(req).expected_duration = math.inf
         self.release(req, reuse_at=math.inf)
         return True
 
@@ -129,11 +136,11 @@ class PausedRequests:
         earlier is expected to last longer (t_call + 2·elapsed), so it is evicted first; a key
         fixed at release time would evict the newest pause first instead (simulator, 32 agents
         sharing a system prompt, discard policy: 1.64 vs 0.38 GB*s of recompute)."""
-        it = req.interception
+        it = _pause_of(req)
         if reuse_at is None and it.expected_duration is not None:
             reuse_at = it.t_call + it.expected_duration
         self.kv.release(req, reuse_at, self.cost.t_fwd_extra(self.kv.block_size))
-        req.interception.disposition = Disposition.DISCARD
+        it.disposition = Disposition.DISCARD
 
     def plan(self, now: float, running_tokens: int, num_running: int,
              keep_free_blocks: int = 0) -> SwapPlan:
@@ -164,26 +171,25 @@ class PausedRequests:
         if not self.policy.acts_on_paused:
             return plan
         views = []
-        tables = self.kv.tables
         for rid, req in self.paused.items():
-            if not tables.get(rid):
+            if not self.kv.num_device_blocks_of(rid):
                 continue
             dev = self.device_tokens(req)
             if dev <= 0:
                 continue  # nothing of its own left on the device to decide about
-            elapsed = now - req.interception.t_call
+            it = _pause_of(req)
             views.append(PausedRequest(req, dev, self.kv.num_host_blocks_of(req.request_id) * bs,
-                                       elapsed, req.interception.expected_duration))
+                                       now - it.t_call, it.expected_duration))
         if not views:
             return plan
         # The swap-out limit applies to budgeted policies; `swap` asks for everything and the
         # copies past the free limit stall the step (accounted as swap waste).
         # Without host room, a swap decision would move nothing and leave the context held.
-        host_room = self.kv.host.num_free_blocks if self.kv.host is not None else 0
+        host_room = self.kv.num_free_host_blocks
         state = StepState(now, running_tokens, num_running, min(limit_blocks, host_room) * bs, self.cost)
         for rid, decision in self.policy.decide(views, state).items():
             req = self.paused[rid]
-            req.interception.disposition = decision.disposition
+            _pause_of(req).disposition = decision.disposition
             if decision.disposition is Disposition.SWAP and decision.swap_out_tokens > 0:
                 plan.swap_out += self.kv.swap_out_blocks(req, -(-decision.swap_out_tokens // bs))
             elif decision.disposition is Disposition.DISCARD:

@@ -26,8 +26,7 @@ def make_room(sched: SchedulerState, head: Request, need: int, out: SchedulerOut
     stalling the whole batch for one request (4-5x less swap stall in the simulator's chat mix,
     BENCHMARKS.md)."""
     deficit = need - sched.kv.num_free_blocks
-    host = sched.kv.host
-    if host is None or host.num_free_blocks < deficit:
+    if not sched.kv.has_host_tier or sched.kv.num_free_host_blocks < deficit:
         return Room.NONE
     holders = holders_below(sched, head, partly_swapped_in=True)
     # Whole victims: a request left half on the device could not run and would hold memory.
@@ -38,7 +37,7 @@ def make_room(sched: SchedulerState, head: Request, need: int, out: SchedulerOut
         blocks = sched.kv.num_private_blocks_of(victim.request_id)
         if room >= deficit:
             break
-        if blocks and room + blocks <= min(host.num_free_blocks, budget):
+        if blocks and room + blocks <= min(sched.kv.num_free_host_blocks, budget):
             chosen.append(victim)
             room += blocks
     if not chosen:
@@ -87,7 +86,7 @@ def keep_reserve(sched: SchedulerState, out: SchedulerOutput, reserve: int, now:
     swapping out the requests that wait the longest, within what the link moves during this
     step so the copies hide behind its compute. Requests go out whole or not at all."""
     budget = swap_budget_blocks(sched)
-    if budget <= 0 or sched.kv.host is None or sched.kv.host.num_free_blocks == 0:
+    if budget <= 0 or sched.kv.num_free_host_blocks == 0:
         return  # nothing can move this step; ranking an overloaded queue would be wasted work
     on_host = [r for r in sched.paused.swapped if sched.kv.num_host_blocks_of(r.request_id)]
     waiting_resident = sched.waiting_holders()
@@ -109,7 +108,7 @@ def keep_reserve(sched: SchedulerState, out: SchedulerOutput, reserve: int, now:
         if deficit + room_for_it <= 0 or budget <= 0:
             break
         blocks = sched.kv.num_private_blocks_of(req.request_id)
-        host_free = sched.kv.host.num_free_blocks
+        host_free = sched.kv.num_free_host_blocks
         if not blocks or blocks > budget or blocks > host_free:
             continue  # whole requests only, and only what hides behind this step's compute
         swap_out(sched, req, blocks, out)

@@ -25,7 +25,7 @@ def room_for_holder(sched: SchedulerState, holder: Request, num_new: int, out: S
         return True
     if make_room(sched, holder, need, out) is Room.IN_FLIGHT:
         return False
-    if sched.kv.host is not None and sched.kv.host.num_free_blocks >= need - sched.kv.num_free_blocks:
+    if sched.kv.has_host_tier and sched.kv.num_free_host_blocks >= need - sched.kv.num_free_blocks:
         return False  # the host can take them, within a later step's swap budget
     below = holders_below(sched, holder, partly_swapped_in=False)
     for victim in sched.policy.preemption_order(below, sched.now):
@@ -90,7 +90,7 @@ def load_host_hits(sched: SchedulerState, req: Request, device_hits: list[KVBloc
     if not host_hits:
         return False
     budget = swap_budget_blocks(sched)
-    free = sched.kv.num_free_blocks - sum(1 for b in device_hits if b.ref_cnt == 0)
+    free = sched.kv.num_free_blocks - sched.kv.num_free_among(device_hits)
     if budget <= 0 or free < len(host_hits):
         return False
     sched.kv.attach_host_hits(req, device_hits, host_hits)

@@ -95,19 +95,39 @@ class Scheduler(SchedulerState):
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
-        self.now = now
-        self.policy.on_step(now)
+        """One step: plan the link's copies, then give the token budget to the running requests
+        in the policy's order, then admit waiting ones into what is left."""
+        self._begin_step(now)
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        self.kv.set_clock(now)
-        self.kv.release_swapped_out()
-        if self.agents is not None:
-            self.agents.expire(now)
         running_tokens = sum(r.num_computed_tokens for r in self.running)
         reserve = self.policy.reserved_blocks(now)
         # Swap-ins leave the arrival reserve and earmarked blocks free, unless nothing else could run.
         keep_free = reserve + self.earmarked_blocks if self.running or self.waiting else 0
         self.earmarked_blocks = 0
+        self._plan_swaps(now, out, running_tokens, keep_free)
+        self._line_up(now)
+        scheduled: list[tuple[Request, int]] = []
+        budget = self._schedule_running(now, out, scheduled, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            admit_waiting(self, out, budget, scheduled)
+        self._emit(now, out, scheduled)
+        if reserve > 0:
+            keep_reserve(self, out, reserve, now)
+        out.blocks_to_back_up = self.kv.take_back_ups()
+        return out
+
+    def _begin_step(self, now: float) -> None:
+        """The clock moves on: last step's copies are done, expired retained histories go."""
+        self.now = now
+        self.policy.on_step(now)
+        self.kv.set_clock(now)
+        self.kv.release_swapped_out()
+        if self.agents is not None:
+            self.agents.expire(now)
+
+    def _plan_swaps(self, now: float, out: SchedulerOutput, running_tokens: int, keep_free: int) -> None:
+        """Open the step's link budget and spend it first on the paused requests' swaps; the
+        requests whose swap-in is done join the waiting queue."""
         if self.policy.preemptive and self.kv.num_free_blocks > keep_free:
             # Swap in first whoever the policy expects to run soonest (no room: no swap-in to order).
             self.paused.swapped[:] = reversed(self.policy.preemption_order(self.paused.swapped, now))
@@ -131,6 +151,9 @@ class Scheduler(SchedulerState):
         for req in plan.ready:
             req.status = RequestStatus.WAITING
             self.waiting.append(req)
+
+    def _line_up(self, now: float) -> None:
+        """Who runs first this step: the running requests in the policy's order."""
         if self.policy.preemptive:
             # Everyone competes for this step in key order; a loser keeps its KV while it waits.
             for req in self.running:
@@ -140,8 +163,12 @@ class Scheduler(SchedulerState):
         else:
             self._rejoin_resident()
         self.running = list(self.policy.order(self.running, now))
-        scheduled: list[tuple[Request, int]] = []
 
+    def _schedule_running(self, now: float, out: SchedulerOutput, scheduled: list[tuple[Request, int]],
+                          budget: int) -> int:
+        """Give each running request its next tokens within `budget`, freeing memory when one does
+        not fit (paused contexts, then retained histories, then preemption in the policy's order).
+        Appends to `scheduled`; returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -163,10 +190,10 @@ class Scheduler(SchedulerState):
                 scheduled.append((req, num_new))
                 budget -= num_new
                 i += 1
+        return budget
 
-        if not out.preempted:
-            budget = admit_waiting(self, out, budget, scheduled)
-
+    def _emit(self, now: float, out: SchedulerOutput, scheduled: list[tuple[Request, int]]) -> None:
+        """The step's sequences, each with its tokens and block table, for the executor."""
         self.last_batch_tokens = sum(n for _, n in scheduled)
         self.num_batched_tokens_total += self.last_batch_tokens
         for req, num_new in scheduled:
@@ -179,10 +206,6 @@ class Scheduler(SchedulerState):
                 sample=start + num_new == req.num_tokens,
             ))
             self.policy.on_scheduled(req, num_new, now)
-        if reserve > 0:
-            keep_reserve(self, out, reserve, now)
-        out.blocks_to_back_up = self.kv.take_back_ups()
-        return out
 
     def _rejoin_resident(self) -> None:
         """Non-preemptive policies: a waiting request that still holds its context on the device
@@ -255,7 +278,7 @@ class Scheduler(SchedulerState):
         return params.pause_on_length and req.num_tokens < self.max_model_len
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.device.usage(),
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(),
                               self.num_preemptions_total, self.prefix_hit_tokens, self.prefix_query_tokens)
 
     def check_invariants(self) -> None:
@@ -264,21 +287,21 @@ class Scheduler(SchedulerState):
         ids += list(self.paused.paused)
         assert len(ids) == len(set(ids)), "a request is queued twice"
         assert set(ids) == set(self.requests), "queues and the request table disagree"
-        for rid in self.kv.tables:
+        for rid in self.kv.request_ids_with_blocks():
             assert rid in self.requests, f"finished request {rid} still holds KV blocks"
         for req in self.running:
             assert req.status == RequestStatus.RUNNING
-            held = len(self.kv.tables.get(req.request_id, ()))
+            held = self.kv.num_device_blocks_of(req.request_id)
             assert held * self.kv.block_size >= req.num_computed_tokens, f"{req.request_id}: KV lost"
         for req in self.waiting:
-            assert req.request_id not in self.kv.host_tables, f"{req.request_id} waits with KV on the host"
+            assert not self.kv.has_host_blocks(req.request_id), f"{req.request_id} waits with KV on the host"
         holders = {r.request_id for r in self.waiting if self.kv.num_device_blocks_of(r.request_id)}
         assert holders == {r.request_id for r in self.waiting_holders()}, "waiting holders misfound"
         for req in self.paused.paused.values():
             assert req.status == RequestStatus.INTERCEPTED and req.interception is not None
         for req in self.paused.swapped:
-            assert req.status == RequestStatus.SWAPPED and req.request_id in self.kv.host_tables
-        for rid in self.kv.host_tables:
+            assert req.status == RequestStatus.SWAPPED and self.kv.has_host_blocks(req.request_id)
+        for rid in self.kv.request_ids_on_host():
             req = self.requests[rid]
             assert req.status in (RequestStatus.INTERCEPTED, RequestStatus.SWAPPED), \
                 f"{rid}: host KV while {req.status}"

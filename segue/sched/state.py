@@ -54,7 +54,7 @@ class SchedulerState:
             return
         rid = request.request_id
         n = self.kv.num_device_blocks_of(rid)
-        if self.reuse is None or n == 0 or rid in self.kv.host_tables:
+        if self.reuse is None or n == 0 or self.kv.has_host_blocks(rid):
             self.kv.free(request)
             return
         full = request.block_hashes[:min(n, request.num_computed_tokens // self.kv.block_size)]
@@ -66,8 +66,8 @@ class SchedulerState:
         """The waiting requests that hold device KV, found through the KV tables: the pool bounds
         them, while an overloaded waiting queue holds thousands and is scanned by no per-step pass."""
         holders = []
-        for rid, table in self.kv.tables.items():
+        for rid in self.kv.request_ids_with_blocks():
             req = self.requests[rid]
-            if table and req.status == RequestStatus.WAITING:
+            if req.status == RequestStatus.WAITING:
                 holders.append(req)
         return holders

@@ -39,7 +39,7 @@ def _shortfall(sched: SchedulerState, req: Request, hits: list[KVBlock], committ
     """Blocks missing for the whole request (hits attached), beside `committed` ones."""
     kv = sched.kv
     need = kv.num_blocks_needed(req, req.num_tokens + expected_output(req, kv.block_size)) - len(hits)
-    room = kv.num_free_blocks - sum(1 for b in hits if b.ref_cnt == 0) - committed
+    room = kv.num_free_blocks - kv.num_free_among(hits) - committed
     return need - room
 
 

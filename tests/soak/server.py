@@ -174,7 +174,7 @@ class SoakServer:
 def engine_probe(e: LLMEngine) -> dict[str, int]:
     """Runs on the engine thread between steps: everything that must be zero once the server is idle."""
     s, kv = e.scheduler, e.scheduler.kv
-    swapping_out = len(getattr(kv, "_swapping_out", ()))
+    swapping_out = kv.num_swapping_out_blocks
     return {
         "requests": len(s.requests), "running": len(s.running), "waiting": len(s.waiting),
         "paused": len(s.paused.paused), "swapped": len(s.paused.swapped),

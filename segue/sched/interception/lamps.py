@@ -96,6 +96,7 @@ class LAMPSInterceptionPolicy(InterceptionPolicy):
             return own[1]
         if req.predicted_interception_s is None:
             return None
+        assert req.interception is not None  # a paused request has its interception
         # Predicted once, when the interception begins, with the context it actually has.
         choice = choose_handling(state.cost, p.context_tokens, req.predicted_interception_s,
                                  state.running_tokens, state.num_running, self.swap_waste)
