@@ -184,9 +184,6 @@ class AgentTracker:
             freed += self._let_go(agent)
         return freed
 
-    def releasable_blocks(self, keep: AgentState | None = None) -> int:
-        return sum(_held(a).num_private_blocks() for a in self._holders(keep))
-
     def _holders(self, keep: AgentState | None) -> list[AgentState]:
         return [a for a in self._agents.values() if a.context is not None and a is not keep]
 
