@@ -12,13 +12,14 @@ would save, is released first. Pure Python.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from segue.kv.manager import KVCacheManager
 from segue.kv.retained import RetainedContext
 from segue.request import Request, RequestStatus
 from segue.sched.cost_model import CostModel
+from segue.tools.stats import DurationWindow
 
 
 @dataclass
@@ -43,21 +44,24 @@ class ReturnGaps:
 
     def __init__(self, prior_s: float, window: int = 256) -> None:
         self.prior_s = prior_s
-        self._gaps: deque[float] = deque(maxlen=window)
+        # Kept sorted as it fills (the tools' duration window): admission asks for a quantile per
+        # waiting request and step.
+        self._gaps = DurationWindow(window)
         # Outcomes of retained contexts: came back in time, or let go unused.
         self.returned = 0
         self.missed = 0
 
     def observe(self, gap_s: float) -> None:
-        self._gaps.append(max(0.0, gap_s))
+        self._gaps.add(max(0.0, gap_s))
 
     def mean(self) -> float:
-        return sum(self._gaps) / len(self._gaps) if self._gaps else self.prior_s
+        return self._gaps.mean() if self._gaps.order else self.prior_s
 
     def quantile(self, q: float) -> float:
-        if not self._gaps:
+        # The nearest rank at or above q (not interpolated): a gap some agent really took.
+        ordered = self._gaps.sorted
+        if not ordered:
             return self.prior_s
-        ordered = sorted(self._gaps)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
     def p_return(self) -> float:

@@ -24,7 +24,7 @@ class DurationSummary:
     max: float
 
 
-class _Window:
+class DurationWindow:
     """The last `size` durations, in arrival order (to evict) and sorted (to answer quantiles)."""
 
     __slots__ = ("size", "order", "sorted", "total", "count")
@@ -69,7 +69,7 @@ class DurationStats:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
         self._lock = threading.Lock()
-        self._data: dict[str, _Window] = {}
+        self._data: dict[str, DurationWindow] = {}
         self._hints: dict[str, float] = {}
 
     def observe(self, name: str, seconds: float) -> None:
@@ -78,7 +78,7 @@ class DurationStats:
         with self._lock:
             w = self._data.get(name)
             if w is None:
-                w = self._data[name] = _Window(self.window)
+                w = self._data[name] = DurationWindow(self.window)
             w.add(float(seconds))
 
     def set_hint(self, name: str, seconds: float | None) -> None:
@@ -130,6 +130,6 @@ class DurationStats:
             return sorted(self._data)
 
     @staticmethod
-    def _summarize(name: str, w: _Window) -> DurationSummary:
+    def _summarize(name: str, w: DurationWindow) -> DurationSummary:
         return DurationSummary(name=name, count=w.count, mean=w.mean(), p50=w.quantile(0.5),
                                p90=w.quantile(0.9), p99=w.quantile(0.99), max=w.sorted[-1])
