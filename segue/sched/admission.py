@@ -20,7 +20,7 @@ from segue.sched.output import SchedulerOutput
 from segue.sched.preemption import Room, make_room
 from segue.sched.reclaim import load_host_hits, release_waiting_kv, room_for_holder
 from segue.sched.state import SchedulerState
-from segue.sched.thrashing import fits_beside_agents, still_needed, waited_past_bound
+from segue.sched.thrashing import Fit, fit_beside_agents, still_needed
 
 
 class AddResult(enum.Enum):
@@ -167,10 +167,11 @@ class Admission:
             holds_kv = sched.kv.num_device_blocks_of(req.request_id) > 0
             if self.committed is not None and self.blocked is None and not holds_kv:
                 alone = not (self.scheduled or sched.running)
-                if not fits_beside_agents(sched, req, hits, self.committed, alone):
+                fit = fit_beside_agents(sched, req, hits, self.committed, alone)
+                if fit is not Fit.FITS:
                     # A starving head keeps the memory that frees up for itself (head-of-line)
                     # where the order allows it; preemptive orders put it first on their own.
-                    starving = waited_past_bound(sched, req, hits, self.committed)
+                    starving = fit is Fit.STARVES
                     return AddResult.NO_MEMORY if starving and not self.preemptive else AddResult.SKIPPED
             if self.blocked is None and load_host_hits(sched, req, hits, self.out):
                 if self.committed is not None:

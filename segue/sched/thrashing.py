@@ -12,6 +12,7 @@ first. Non-preemptive orders only (sched/admission.py). Pure Python.
 """
 from __future__ import annotations
 
+import enum
 import math
 
 from segue.kv.block_pool import KVBlock
@@ -44,19 +45,26 @@ def _shortfall(sched: SchedulerState, req: Request, hits: list[KVBlock], committ
     return need - room
 
 
-def waited_past_bound(sched: SchedulerState, req: Request, hits: list[KVBlock], committed: int) -> bool:
+class Fit(enum.Enum):
+    """What admission may do with a request without KV beside the agents' retained histories."""
+    FITS = "fits"          # it may go on to allocate
+    WAITS = "waits"        # not yet: later candidates may still run
+    STARVES = "starves"    # past its starvation bound and still short: it keeps what frees up
+
+
+def _past_bound(sched: SchedulerState, req: Request, shortfall: int) -> bool:
     """The starvation bound: a newcomer waits for retained histories no longer than recomputing
-    what it would take from them costs (the price of taking it), nor than agents usually stay
-    away (by then most are back or gone)."""
+    what it would take from them (`shortfall` blocks) costs, nor than agents usually stay away
+    (by then most are back or gone)."""
     agents = sched.agents
     assert agents is not None
-    tokens = max(0, _shortfall(sched, req, hits, committed)) * sched.kv.block_size
+    tokens = max(0, shortfall) * sched.kv.block_size
     bound = min(agents.gaps.quantile(0.9), sched.cost.t_fwd_extra(tokens))
     return sched.now - req.arrival_time >= bound
 
 
-def fits_beside_agents(sched: SchedulerState, req: Request, hits: list[KVBlock], committed: int,
-                       alone: bool) -> bool:
+def fit_beside_agents(sched: SchedulerState, req: Request, hits: list[KVBlock], committed: int,
+                      alone: bool) -> Fit:
     """Whether a request without KV may start now (its cached `hits` attached). Retained
     histories are released for it when its own history is retained or it is past its bound. A
     request `alone` (nothing else runs or was admitted this step) always may: nothing else would
@@ -65,8 +73,12 @@ def fits_beside_agents(sched: SchedulerState, req: Request, hits: list[KVBlock],
     assert agents is not None
     short = _shortfall(sched, req, hits, committed)
     if alone or short <= 0:
-        return True
-    if agents.is_resident(req) or waited_past_bound(sched, req, hits, committed):
+        return Fit.FITS
+    past = _past_bound(sched, req, short)
+    if past or agents.is_resident(req):
         agents.release_for_memory(short, sched.now, keep=agents.agent_of(req))
-        return _shortfall(sched, req, hits, committed) <= 0
-    return False
+        short = _shortfall(sched, req, hits, committed)
+        if short <= 0:
+            return Fit.FITS
+        past = _past_bound(sched, req, short)
+    return Fit.STARVES if past else Fit.WAITS
