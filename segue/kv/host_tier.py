@@ -8,7 +8,7 @@ blocks between; a manager without host memory has no HostTier at all.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from segue.kv.block_pool import BlockPool, KVBlock, num_private_tail
 from segue.kv.hashing import BlockHasher
@@ -25,14 +25,45 @@ class HostLink:
     budget: int = 0
     # Write-backs wait until the swaps planned first have taken their share.
     write_backs_open: bool = False
+    # Past the budget a write-back stalls the step for its copy; the scheduler allows that when
+    # the recompute it saves is worth more (CostModel.copy_pays, on the tier's measured reuse).
+    write_backs_past_budget: bool = False
 
     def open(self, blocks: int) -> None:
         self.budget = blocks
         self.write_backs_open = False
+        self.write_backs_past_budget = False
 
     def close(self) -> None:
         self.budget = 0
         self.write_backs_open = False
+        self.write_backs_past_budget = False
+
+
+@dataclass
+class WriteBackOutcomes:
+    """What became of the blocks written back to the host tier: read back by a later request's
+    host hits, or evicted from the host unread. Their ratio is the measured chance that writing
+    an evicted block back saves its recompute."""
+    read: int = 0
+    evicted_unread: int = 0
+    # Host blocks written back and not read since; the tier's size bounds it.
+    unread: set[int] = field(default_factory=set)
+
+    def reuse_rate(self) -> float:
+        """Laplace-smoothed: 1/2 before any outcome, as for a block nothing is known about."""
+        return (self.read + 1) / (self.read + self.evicted_unread + 2)
+
+    def on_read(self, blocks: list[KVBlock]) -> None:
+        for b in blocks:
+            if b.block_id in self.unread:
+                self.unread.discard(b.block_id)
+                self.read += 1
+
+    def on_evict(self, block: KVBlock) -> None:
+        if block.block_id in self.unread:
+            self.unread.discard(block.block_id)
+            self.evicted_unread += 1
 
 
 class HostTier:
@@ -66,8 +97,11 @@ class HostTier:
         # Set when finished requests' blocks are freed with eviction keys (prefix_eviction="reuse"):
         # host blocks read back are then keyed too, so that one order covers the whole tier.
         self.keyed_reloads = False
+        self.write_backs = WriteBackOutcomes()
+        self.num_stalled_write_backs = 0
         if enable_prefix_caching:
             device.on_evict = self._back_up
+            pool.on_evict = self.write_backs.on_evict
 
     # ---- swapping ------------------------------------------------------------------------
     # Swap-out moves the private tail of the device part to the front of the host part; swap-in
@@ -155,9 +189,12 @@ class HostTier:
         if self.swapping_out:
             self.device.free(self.swapping_out)
             self.swapping_out = []
+        written = {b.block_id for b in self._backed_up}
         for block, block_hash, token_ids in self._pending:
             if block.ref_cnt > 0:
                 self.pool.register(block, block_hash, token_ids)
+                if block.block_id in written:
+                    self.write_backs.unread.add(block.block_id)
         self._pending = []
         if self._backed_up:
             # Now cached in the host tier, owned by no one; a block evicted with an expected reuse
@@ -185,7 +222,9 @@ class HostTier:
     def _back_up(self, block: KVBlock) -> None:
         """The device pool's eviction hook: copy a cached block about to be reused to the host
         tier, within the link budget left, unless the host tier already holds its content."""
-        if not self.link.write_backs_open or self.link.budget <= 0:
+        if not self.link.write_backs_open:
+            return
+        if self.link.budget <= 0 and not self.link.write_backs_past_budget:
             return
         # Only cached blocks are evicted through this hook: they carry their key.
         assert block.block_hash is not None and block.token_ids is not None
@@ -197,7 +236,10 @@ class HostTier:
         if not self.pool.num_free_blocks:
             return
         hb = self.pool.allocate(1)[0]
-        self.link.budget -= 1
+        if self.link.budget > 0:
+            self.link.budget -= 1
+        else:
+            self.num_stalled_write_backs += 1
         self._back_ups.append((block.block_id, hb.block_id))
         self._pending.append((hb, block.block_hash, block.token_ids))
         self._backed_up.append(hb)
@@ -223,6 +265,7 @@ class HostTier:
 
     def attach(self, request_id: str, hits: list[KVBlock]) -> None:
         self.pool.touch(hits)
+        self.write_backs.on_read(hits)
         self.tables[request_id] = list(hits)
 
     def free(self, blocks: list[KVBlock], reuse_at: list[float] | None = None) -> None:

@@ -266,9 +266,20 @@ class KVCacheManager:
         open_write_backs(), so that the swaps planned first take their share before them."""
         self._link.open(blocks)
 
-    def open_write_backs(self) -> None:
-        """Cached device blocks evicted from now on are written back within what is left."""
+    def open_write_backs(self, past_budget: bool = False) -> None:
+        """Cached device blocks evicted from now on are written back within what is left, or
+        also past it (stalling the step for the copy) with `past_budget`."""
         self._link.write_backs_open = True
+        self._link.write_backs_past_budget = past_budget
+
+    def write_back_reuse_rate(self) -> float:
+        """Measured chance that a block written back to the host is read back (0 without a tier)."""
+        return self._tier.write_backs.reuse_rate() if self._tier is not None else 0.0
+
+    @property
+    def num_stalled_write_backs(self) -> int:
+        """Write-backs copied past the link budget so far (each stalled its step)."""
+        return self._tier.num_stalled_write_backs if self._tier is not None else 0
 
     def swap_out_blocks(self, request: Request, max_blocks: int) -> Copies:
         """Move up to max_blocks of the request's private device tail to the host; returns the

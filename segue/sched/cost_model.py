@@ -53,6 +53,12 @@ class CostModel:
     def t_swap(self, tokens: float) -> float:
         return tokens * self.kv_bytes_per_token / self.swap_bytes_per_s
 
+    def copy_pays(self, reuse_rate: float, tokens: float) -> bool:
+        """Whether copying `tokens` of KV to the host where the copy cannot hide behind compute
+        (it stalls the step) saves time: when they are read back with probability `reuse_rate`,
+        the copy spares their recompute. On the profiled CPU a copy costs ~1 % of a recompute."""
+        return reuse_rate * self.t_fwd_extra(tokens) > self.t_swap(tokens)
+
     def swap_limit(self, batch_tokens: int) -> int:
         """Tokens whose copy hides behind one iteration of `batch_tokens` (T_swap(N) = T_fwd(B))."""
         return int(self.t_fwd(batch_tokens) * self.swap_bytes_per_s / self.kv_bytes_per_token)

@@ -147,7 +147,7 @@ class Scheduler(SchedulerState):
         self.kv.open_link(self.cost.swap_limit(self.last_batch_tokens) // self.kv.block_size)
         plan = self.paused.plan(now, running_tokens, len(self.running), keep_free_blocks=keep_free)
         out.blocks_to_swap_out, out.blocks_to_swap_in = plan.swap_out, plan.swap_in
-        self.kv.open_write_backs()
+        self.kv.open_write_backs(past_budget=self.cost.copy_pays(self.kv.write_back_reuse_rate(), self.kv.block_size))
         for req in plan.ready:
             req.status = RequestStatus.WAITING
             self.waiting.append(req)

@@ -57,9 +57,14 @@ def _engine(args: argparse.Namespace, interception: str | None = None, prefix_ca
                                                          args.gpu_memory_gib)
     if kv is None:
         raise SystemExit("--kv-cache-tokens is required with a profile JSON")
+    host = args.swap_space_tokens
+    if host is None:
+        # The agents workload is replayed against `segue serve` with the same flags (segue bench
+        # agents): its host tier must be the server's default, not the device pool's size (with
+        # 8,192 device tokens that hid most of the write-backs the server makes).
+        host = CacheConfig.swap_space_tokens if args.workload == "agents" else kv
     config = EngineConfig(
-        cache=CacheConfig(block_size=args.block_size, kv_cache_tokens=kv,
-                          swap_space_tokens=args.swap_space_tokens if args.swap_space_tokens is not None else kv,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_tokens=kv, swap_space_tokens=host,
                           enable_prefix_caching=prefix_caching and not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens or cost.saturation_tokens,
                                   max_num_seqs=args.max_num_seqs, watermark=args.watermark, policy=args.policy,
