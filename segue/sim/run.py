@@ -71,7 +71,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-gib", type=float, default=80.0,
                    help="memory per GPU behind the preset's default KV pool (default: 80; InferCept's p4d: 40)")
     g.add_argument("--swap-space-tokens", type=int, default=None,
-                   help="host KV pool in tokens (default: the server's for --workload agents, else as large as the device pool)")
+                   help="host KV pool in tokens (default: the server's for --workload agents, "
+                        "else as large as the device pool)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: 16)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default: the preset's saturation point)")
