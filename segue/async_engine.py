@@ -1,19 +1,19 @@
-"""Asyncio front of the engine: the step loop runs on its own thread, callers stream outputs.
+"""AsyncLLMEngine: the engine for asyncio callers, an EngineClient (engine_client.py).
 
-AsyncLLMEngine is an EngineClient (engine_client.py). Callers never touch engine state directly.
-Validation and tokenization run in the caller's worker thread; adds, aborts and the paused-request
-methods are queued and applied by the loop thread between steps, so a long step never blocks the
-event loop and no lock is held across a forward pass.
+Callers never touch engine state directly. Validation and tokenization run in the caller's
+worker thread; adds, aborts and the paused-request methods are queued to the engine's own thread
+(async_engine_thread.py), which applies them between steps, so a long step never blocks the
+event loop and no lock is held across a forward pass. Outputs come back on per-request streams
+(async_engine_streams.py).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import threading
-from collections import deque
 from typing import Any, AsyncGenerator, Callable, TypeVar
 
+from segue.async_engine_streams import OutputStreams
+from segue.async_engine_thread import EngineThread, build_off_caller_thread
 from segue.config import EngineConfig
 from segue.engine import LLMEngine
 from segue.engine_client import EngineDeadError
@@ -21,8 +21,6 @@ from segue.engine_stats import EngineStats, LoadReport
 from segue.model_info import ModelInfo
 from segue.outputs import RequestOutput
 from segue.sampling_params import InvalidRequestError, SamplingParams
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "build_off_caller_thread", "remember_early"]
 
@@ -36,46 +34,15 @@ def remember_early(early: dict[str, bool], request_id: str, latency_sensitive: b
     early[request_id] = latency_sensitive
 
 
-def build_off_caller_thread(build: Callable[[], LLMEngine]) -> LLMEngine:
-    """Builds the engine (model load, kernel table, warm-up) on a thread that then exits.
-
-    OpenMP keeps a pool of worker threads per thread that has run a parallel region, and once
-    there are more of them than cores it stops spinning between regions (libgomp's throttled
-    spin), which halved single-stream decode when the model was loaded on the server's main
-    thread and run on the engine thread (108 vs 60 tok/s measured). A builder thread's pool goes
-    when the thread exits, so only the engine thread ever holds one."""
-    result: list[LLMEngine] = []
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(build())
-        except BaseException as e:  # re-raised on the caller's thread below
-            errors.append(e)
-
-    builder = threading.Thread(target=run, name="segue-engine-build")
-    builder.start()
-    builder.join()
-    if errors:
-        raise errors[0]
-    return result[0]
-
-
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._ops: deque[Callable[[], None]] = deque()
-        self._wakeup = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stopped = False
+        self.streams = OutputStreams()
         # Set by shutdown() at once, so no new request can slip in while the loop winds down.
         self._closing = False
-        self._dead: BaseException | None = None
-        self._detached: set[str] = set()
         # Objectives that arrived before their request reached the engine (loop thread only).
         self._early_objectives: dict[str, bool] = {}
-        self._thread = threading.Thread(target=self._run, name="segue-engine", daemon=True)
-        self._thread.start()
+        self.engine_thread = EngineThread(engine, self.streams)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
@@ -112,10 +79,9 @@ class AsyncLLMEngine:
             cache_salt=cache_salt, expected_tool_s=expected_tool_s, latency_sensitive=latency_sensitive))
         self._check_alive()
         rid = state.request.request_id
-        if rid in self._streams:
+        if rid in self.streams:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = (loop, queue)
+        queue = self.streams.open(rid)
 
         def add() -> None:
             try:
@@ -123,12 +89,12 @@ class AsyncLLMEngine:
                     state.request.latency_sensitive = self._early_objectives.pop(rid)
                 self.engine.add_prepared(state)
             except Exception as e:  # reaches this request's caller only
-                self._deliver(e, rid)
-        self._submit(add)
+                self.streams.deliver(e, rid)
+        self.engine_thread.submit(add)
         # aclosing: when this generator is closed at its yield, the consumer closes (and aborts the
         # request) now; a bare `async for` leaves that to the consumer's finalizer, which waits for
         # the garbage collector whenever a reference cycle holds it: seconds generating for nobody.
-        async with contextlib.aclosing(self._consume(rid, queue)) as outputs:
+        async with contextlib.aclosing(self.streams.consume(rid, queue, self.abort)) as outputs:
             async for item in outputs:
                 yield item
 
@@ -150,7 +116,7 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(done.set_exception, e)
             else:
                 loop.call_soon_threadsafe(done.set_result, None)
-        self._submit(op)
+        self.engine_thread.submit(op)
         await done
 
     async def continue_request(self, request_id: str, tokens: list[int],
@@ -158,45 +124,27 @@ class AsyncLLMEngine:
         """Resume a paused request whose previous stream was closed (a session's next turn) and
         stream it anew."""
         self._check_alive()
-        if request_id in self._streams:
+        if request_id in self.streams:
             raise InvalidRequestError(f"request {request_id!r} is still streaming")
-        self._detached.discard(request_id)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self.streams.detached.discard(request_id)
+        queue = self.streams.open(request_id)
         try:
             await self.resume(request_id, tokens, params)
         except BaseException:
-            self._streams.pop(request_id, None)
+            self.streams.discard(request_id)
             raise
-        async with contextlib.aclosing(self._consume(request_id, queue)) as outputs:
+        async with contextlib.aclosing(self.streams.consume(request_id, queue, self.abort)) as outputs:
             async for item in outputs:
                 yield item
 
     def detach(self, request_id: str) -> None:
         """Keep a paused request alive when its stream closes (a session holds it for a later
         turn); it leaves only by continue_request() or abort()."""
-        self._detached.add(request_id)
-
-    async def _consume(self, rid: str, queue: asyncio.Queue) -> AsyncGenerator[RequestOutput, None]:
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished and rid not in self._detached:
-                self.abort(rid)
-            elif rid in self._detached:
-                self._streams.pop(rid, None)
+        self.streams.detached.add(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._detached.discard(request_id)
-        self._submit(lambda: self._deliver(self.engine.abort_request(request_id)))
+        self.streams.detached.discard(request_id)
+        self.engine_thread.submit(lambda: self.streams.deliver(self.engine.abort_request(request_id)))
 
     def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None:
         """A program's DAG grew after this call reached the engine (its map calls arrive before
@@ -206,7 +154,7 @@ class AsyncLLMEngine:
             if not self.engine.set_latency_sensitive(request_id, latency_sensitive):
                 # Bounded: an update for a request that already left is never claimed.
                 remember_early(self._early_objectives, request_id, latency_sensitive)
-        self._submit(op)
+        self.engine_thread.submit(op)
 
     def set_tool_hint(self, name: str, seconds: float | None) -> None:
         # DurationStats takes its own lock: no need to wait for the engine thread.
@@ -240,120 +188,34 @@ class AsyncLLMEngine:
         requests); the method exists so the server treats an EnginePool the same way."""
         del program_id
 
+    # ---- lifetime ------------------------------------------------------------------------
     def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine loop died: {self._dead!r}")
-        if self._closing or self._stopped:
+        if self.engine_thread.dead is not None:
+            raise EngineDeadError(f"the engine loop died: {self.engine_thread.dead!r}")
+        if self._closing or self.engine_thread.stopped:
             raise EngineDeadError("the engine is shut down")
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self._dead is None and not self._closing
+        return self.engine_thread.is_running and not self._closing
 
     async def shutdown(self, drain_timeout: float = 0.0) -> None:
         """Stop the loop; requests still running after `drain_timeout` seconds are aborted."""
         self._closing = True
         deadline = asyncio.get_running_loop().time() + drain_timeout
-        while self._streams and asyncio.get_running_loop().time() < deadline:
+        while self.streams and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        for rid in list(self._streams):
+        for rid in self.streams.request_ids():
             self.abort(rid)
-        self._submit(self._stop)
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+        self.engine_thread.stop()
+        await asyncio.get_running_loop().run_in_executor(None, self.engine_thread.thread.join, 10)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._streams)
+        return len(self.streams)
 
     def run_sync(self, fn: Callable[[LLMEngine], object]) -> "asyncio.Future":
         """Run fn(engine) on the loop thread between steps. Not part of EngineClient: for tests,
         benchmarks and invariant checks that look inside one engine."""
         self._check_alive()
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def op() -> None:
-            if self._dead is not None:
-                # Queued when the loop died: the dead engine's state is no answer (a check made
-                # now would report a healthy-looking engine that will never step again).
-                loop.call_soon_threadsafe(fut.set_exception, EngineDeadError(f"the engine loop died: {self._dead!r}"))
-                return
-            try:
-                result = fn(self.engine)
-            except Exception as e:  # handed to the caller, not swallowed
-                loop.call_soon_threadsafe(fut.set_exception, e)
-            else:
-                loop.call_soon_threadsafe(fut.set_result, result)
-        self._submit(op)
-        return fut
-
-    # ---- loop thread ---------------------------------------------------------------------
-    def _submit(self, op: Callable[[], None]) -> None:
-        self._ops.append(op)
-        self._wakeup.set()
-
-    def _stop(self) -> None:
-        self._stopped = True
-
-    def _deliver(self, output: RequestOutput | BaseException | None, request_id: str | None = None) -> None:
-        if output is None:
-            return
-        if request_id is None:
-            assert isinstance(output, RequestOutput), "an error is delivered with its request's id"
-            request_id = output.request_id
-        rid = request_id
-        stream = self._streams.get(rid)
-        if stream is None:
-            return
-        if isinstance(output, BaseException) or output.finished:
-            del self._streams[rid]
-        loop, queue = stream
-        if loop.is_closed():
-            return  # the caller's event loop ended (asyncio.run per call): nobody reads this stream
-        loop.call_soon_threadsafe(queue.put_nowait, output)
-
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except BaseException as e:  # a bug in the loop itself: fail everyone loudly, never hang
-            logger.exception("engine loop died")
-            self._dead = e
-        finally:
-            error = EngineDeadError("the engine stopped") if self._dead is None else EngineDeadError(repr(self._dead))
-            for rid in list(self._streams):
-                self._deliver(error, rid)
-            # Pending run_sync callers and adds are answered too, instead of waiting forever.
-            while self._ops:
-                try:
-                    self._ops.popleft()()
-                except Exception:
-                    logger.exception("operation failed during engine shutdown")
-
-    def _loop(self) -> None:
-        while not self._stopped:
-            while self._ops:
-                op = self._ops.popleft()
-                try:
-                    op()
-                except Exception:
-                    logger.exception("engine operation failed")
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.wait(timeout=1.0)
-                self._wakeup.clear()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as e:
-                logger.exception("engine step failed; aborting all requests")
-                for rid in self.engine.unfinished_request_ids():
-                    self.engine.abort_request(rid)
-                    self._deliver(e, rid)
-                continue
-            for out in outputs:
-                self._deliver(out)
-            if self.engine.last_step_idle:
-                # Everything is paused (tools, timers): sleep until an op or the next timer.
-                due = self.engine.next_timer()
-                timeout = 0.05 if due is None else max(0.0, min(0.05, due - self.engine.clock()))
-                self._wakeup.wait(timeout=timeout)
-                self._wakeup.clear()
+        return self.engine_thread.call(fn)

@@ -161,7 +161,7 @@ def test_resume_with_a_new_constraint_compiles_off_the_engine_thread(ckpt):
 
     grammar = asyncio.run(scenario())
     assert grammar is not None and grammar.spec == StructuredSpec.json_schema(schema)
-    assert compiled_on and aengine._thread not in compiled_on
+    assert compiled_on and aengine.engine_thread.thread not in compiled_on
 
 
 def test_the_grammar_backend_is_built_once_under_concurrency(ckpt, monkeypatch):
