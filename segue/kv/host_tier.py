@@ -236,10 +236,10 @@ class HostTier:
         if not self.pool.num_free_blocks:
             return
         hb = self.pool.allocate(1)[0]
-        if self.link.budget > 0:
-            self.link.budget -= 1
-        else:
+        if self.link.budget <= 0:
             self.num_stalled_write_backs += 1
+        # Past the budget too: the copies planned after it must not spend what it took.
+        self.link.budget -= 1
         self._back_ups.append((block.block_id, hb.block_id))
         self._pending.append((hb, block.block_hash, block.token_ids))
         self._backed_up.append(hb)

@@ -20,7 +20,7 @@ from segue.sched.output import SchedulerOutput
 from segue.sched.preemption import Room, make_room
 from segue.sched.reclaim import load_host_hits, release_waiting_kv, room_for_holder
 from segue.sched.state import SchedulerState
-from segue.sched.thrashing import Fit, fit_beside_agents, still_needed
+from segue.sched.thrashing import Fit, fit_beside_agents, running_needs, still_needed
 
 
 class AddResult(enum.Enum):
@@ -112,7 +112,9 @@ class Admission:
         if sched.agents is not None and not self.preemptive:
             # Preemptive orders admit into a full pool on purpose: their head takes memory from
             # lower-ranked holders (make_room), which a whole-prompt test would never let it reach.
-            self.committed = sum(still_needed(sched, r) for r in sched.running)
+            self.committed = running_needs(sched)
+            # Resumed requests waiting to swap in go before newcomers: their host parts are spoken for.
+            self.committed += sum(sched.kv.num_host_blocks_of(r.request_id) for r in sched.paused.swapped)
 
     @property
     def free_blocks(self) -> int:
@@ -177,6 +179,12 @@ class Admission:
                 if self.committed is not None:
                     self.committed += still_needed(self.sched, req)
                 return AddResult.SWAPPING
+        elif self.committed is not None and self.blocked is None and req not in sched.running:
+            # A held context resumed (a session's next turn): the same test, or its appended
+            # tokens and output grow into a preemption (pressure preset, sessions: 50-80 a run).
+            fit = fit_beside_agents(sched, req, [], self.committed, not (self.scheduled or sched.running))
+            if fit is not Fit.FITS:
+                return AddResult.NO_MEMORY if fit is Fit.STARVES else AddResult.SKIPPED
         num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, self.budget)
         if self.decode_room > 0 and not decode:
             num_new = min(num_new, self.budget - self.decode_room)

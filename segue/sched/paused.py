@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from segue.kv.manager import KVCacheManager
 from segue.request import Disposition, Interception, Request, RequestStatus
 from segue.sched.cost_model import CostModel
-from segue.sched.interception import InterceptionPolicy, PausedRequest, StepState
+from segue.sched.interception import Decision, InterceptionPolicy, PausedRequest, StepState
 
 
 @dataclass
@@ -187,14 +187,27 @@ class PausedRequests:
         # Without host room, a swap decision would move nothing and leave the context held.
         host_room = self.kv.num_free_host_blocks
         state = StepState(now, running_tokens, num_running, min(limit_blocks, host_room) * bs, self.cost)
-        for rid, decision in self.policy.decide(views, state).items():
+        plan.swap_out += self._apply(self.policy.decide(views, state), state.swap_out_budget)
+        return plan
+
+    def _apply(self, decisions: dict[str, Decision], budget_tokens: int) -> list[tuple[int, int]]:
+        """Carry out the policy's decisions; returns the swap-out copies. A policy that keeps
+        within the budget in tokens does in blocks too (a partial block rounds up to a whole
+        copy); one that asks for more on purpose (`swap`) gets it."""
+        bs = self.kv.block_size
+        asked = sum(d.swap_out_tokens for d in decisions.values() if d.disposition is Disposition.SWAP)
+        blocks_left = budget_tokens // bs if asked <= budget_tokens else math.inf
+        swap_out: list[tuple[int, int]] = []
+        for rid, decision in decisions.items():
             req = self.paused[rid]
             _pause_of(req).disposition = decision.disposition
             if decision.disposition is Disposition.SWAP and decision.swap_out_tokens > 0:
-                plan.swap_out += self.kv.swap_out_blocks(req, -(-decision.swap_out_tokens // bs))
+                copies = self.kv.swap_out_blocks(req, int(min(-(-decision.swap_out_tokens // bs), blocks_left)))
+                swap_out += copies
+                blocks_left -= len(copies)
             elif decision.disposition is Disposition.DISCARD:
                 self.release(req)
-        return plan
+        return swap_out
 
     def release_for_memory(self, blocks_needed: int, now: float) -> int:
         """Under memory pressure, release preserved contexts before preempting running requests:

@@ -13,6 +13,7 @@ from segue.sched.admission import admit_waiting
 from segue.sched.output import ScheduledSeq, SchedulerOutput
 from segue.sched.preemption import keep_reserve
 from segue.sched.state import SchedulerState
+from segue.sched.thrashing import rejoin_resident, running_needs
 
 
 @dataclass
@@ -103,6 +104,10 @@ class Scheduler(SchedulerState):
         reserve = self.policy.reserved_blocks(now)
         # Swap-ins leave the arrival reserve and earmarked blocks free, unless nothing else could run.
         keep_free = reserve + self.earmarked_blocks if self.running or self.waiting else 0
+        if self.agents is not None and not self.policy.preemptive:
+            # Thrashing avoidance: a swap-in starts only when its whole host part fits beside
+            # what the running requests still need, as a host-tier hit's load does (admission).
+            keep_free += running_needs(self)
         self.earmarked_blocks = 0
         self._plan_swaps(now, out, running_tokens, keep_free)
         self._line_up(now)
@@ -161,7 +166,7 @@ class Scheduler(SchedulerState):
             self.waiting.extend(self.running)
             self.running = []
         else:
-            self._rejoin_resident()
+            rejoin_resident(self)
         self.running = list(self.policy.order(self.running, now))
 
     def _schedule_running(self, now: float, out: SchedulerOutput, scheduled: list[tuple[Request, int]],
@@ -206,20 +211,6 @@ class Scheduler(SchedulerState):
                 sample=start + num_new == req.num_tokens,
             ))
             self.policy.on_scheduled(req, num_new, now)
-
-    def _rejoin_resident(self) -> None:
-        """Non-preemptive policies: a waiting request that still holds its context on the device
-        (a preserved pause that ended, a finished swap-in) rejoins the running requests, as
-        InferCept keeps it in vLLM's running queue, instead of queueing for admission. Queued
-        behind cheaper work by an ordering like LAMPS's, it would pin memory it cannot use: with
-        it in the waiting queue, waiting holders kept 55% of the pool on average and LAMPS
-        preempted 7x as often as FCFS (simulator, 30 minutes at 4 req/s; BENCHMARKS.md). Under
-        memory pressure it is preempted like any running request, in the policy's order."""
-        for req in self.policy.order(self.waiting_holders(), self.now):
-            if req.num_computed_tokens > 0 and len(self.running) < self.config.max_num_seqs:
-                self.waiting.remove(req)
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance progress, append sampled tokens, and finish requests that hit a stop

@@ -1,6 +1,6 @@
-"""Thrashing avoidance for admission (issue 25): a request without KV starts only when its whole
-prompt and expected output fit beside what the running requests still need and the histories
-retained for agents expected back (sched/agents.py).
+"""Thrashing avoidance for admission (issue 25): a request starts (or a held context rejoins the
+running requests) only when the rest of its prompt and its expected output fit beside what the
+running requests still need and the histories retained for agents expected back (sched/agents.py).
 
 Started in a pool it cannot finish in, a prompt's prefill grows into a preemption (a running
 request recomputes); admitted into retained histories, it evicts what their next turns must then
@@ -16,7 +16,7 @@ import enum
 import math
 
 from segue.kv.block_pool import KVBlock
-from segue.request import Request
+from segue.request import Request, RequestStatus
 from segue.sched.state import SchedulerState
 
 
@@ -37,10 +37,16 @@ def still_needed(sched: SchedulerState, req: Request) -> int:
     return kv.num_blocks_needed(req, req.num_tokens - req.num_computed_tokens + expected_output(req, kv.block_size))
 
 
+def running_needs(sched: SchedulerState) -> int:
+    """Device blocks the running requests will still take (their `still_needed`, summed)."""
+    return sum(still_needed(sched, r) for r in sched.running)
+
+
 def _shortfall(sched: SchedulerState, req: Request, hits: list[KVBlock], committed: int) -> int:
-    """Blocks missing for the whole request (hits attached), beside `committed` ones."""
+    """Blocks missing for the rest of the request (hits attached), beside `committed` ones."""
     kv = sched.kv
-    need = kv.num_blocks_needed(req, req.num_tokens + expected_output(req, kv.block_size)) - len(hits)
+    rest = req.num_tokens - req.num_computed_tokens + expected_output(req, kv.block_size)
+    need = kv.num_blocks_needed(req, rest) - len(hits)
     room = kv.num_free_blocks - kv.num_free_among(hits) - committed
     return need - room
 
@@ -65,8 +71,11 @@ def _past_bound(sched: SchedulerState, req: Request, shortfall: int) -> bool:
 
 def fit_beside_agents(sched: SchedulerState, req: Request, hits: list[KVBlock], committed: int,
                       alone: bool) -> Fit:
-    """Whether a request without KV may start now (its cached `hits` attached). Retained
-    histories are released for it when its own history is retained or it is past its bound. A
+    """Whether a waiting request may start now (its cached `hits` attached): one without KV, or
+    one that holds its context (a session's turn resumed after its tool, whose appended tokens
+    and output grow it as much as a plain client's next prompt would). Retained histories are
+    released for it when its own history is retained or held, or it is past its bound; a held
+    one also takes other paused requests' contexts, as a running request's growth would. A
     request `alone` (nothing else runs or was admitted this step) always may: nothing else would
     ever free memory for it."""
     agents = sched.agents
@@ -75,10 +84,37 @@ def fit_beside_agents(sched: SchedulerState, req: Request, hits: list[KVBlock], 
     if alone or short <= 0:
         return Fit.FITS
     past = _past_bound(sched, req, short)
-    if past or agents.is_resident(req):
+    holds = req.num_computed_tokens > 0
+    if holds:
+        sched.paused.release_for_memory(short, sched.now)
+        short = _shortfall(sched, req, hits, committed)
+    if short > 0 and (past or holds or agents.is_resident(req)):
         agents.release_for_memory(short, sched.now, keep=agents.agent_of(req))
         short = _shortfall(sched, req, hits, committed)
         if short <= 0:
             return Fit.FITS
         past = _past_bound(sched, req, short)
     return Fit.STARVES if past else Fit.WAITS
+
+
+def rejoin_resident(sched: SchedulerState) -> None:
+    """Non-preemptive policies: a waiting request that still holds its context on the device
+    (a preserved pause that ended, a finished swap-in) rejoins the running requests, as
+    InferCept keeps it in vLLM's running queue, instead of queueing for admission. Queued
+    behind cheaper work by an ordering like LAMPS's, it would pin memory it cannot use: with
+    it in the waiting queue, waiting holders kept 55% of the pool on average and LAMPS
+    preempted 7x as often as FCFS (simulator, 30 minutes at 4 req/s; BENCHMARKS.md). Under
+    memory pressure it is preempted like any running request, in the policy's order. With
+    thrashing avoidance on, only one that fits beside the running requests' needs; admission
+    decides about the others (fit_beside_agents), or it grows into a preemption."""
+    committed = running_needs(sched) if sched.agents is not None else None
+    for req in sched.policy.order(sched.waiting_holders(), sched.now):
+        if req.num_computed_tokens > 0 and len(sched.running) < sched.config.max_num_seqs:
+            if committed is not None:
+                need = still_needed(sched, req)
+                if sched.running and need > sched.kv.num_free_blocks - committed:
+                    continue
+                committed += need
+            sched.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            sched.running.append(req)
