@@ -221,7 +221,8 @@ class HostTier:
     # ---- write-back ----------------------------------------------------------------------
     def _back_up(self, block: KVBlock) -> None:
         """The device pool's eviction hook: copy a cached block about to be reused to the host
-        tier, within the link budget left, unless the host tier already holds its content."""
+        tier, within the link budget left (or past it where the scheduler allowed that), unless
+        the host tier already holds its content."""
         if not self.link.write_backs_open:
             return
         if self.link.budget <= 0 and not self.link.write_backs_past_budget:
