@@ -165,7 +165,11 @@ class AsyncLLMEngine:
 
     # ---- paused requests and stats (EngineClient) -------------------------------------------
     async def held_token_ids(self, request_id: str) -> list[int] | None:
-        return await self._on_loop(LLMEngine.paused_token_ids, request_id)
+        """Read without waiting for the engine thread: a paused request's tokens change only by
+        resume(), which the holder of the request calls after this check, and a request that
+        leaves meanwhile reads as None. Waiting for the loop cost each session turn one more
+        step boundary before it could resume (up to a long prefill step)."""
+        return self.engine.paused_token_ids(request_id)
 
     async def expect_resume(self, request_id: str, after_s: float) -> bool:
         return await self._on_loop(LLMEngine.expect_resume, request_id, after_s)
