@@ -179,7 +179,7 @@ class Admission:
                 if self.committed is not None:
                     self.committed += still_needed(self.sched, req)
                 return AddResult.SWAPPING
-        elif self.committed is not None and self.blocked is None and req not in sched.running:
+        elif self.committed is not None and self.blocked is None:
             # A held context resumed (a session's next turn): the same test, or its appended
             # tokens and output grow into a preemption (pressure preset, sessions: 50-80 a run).
             fit = fit_beside_agents(sched, req, [], self.committed, not (self.scheduled or sched.running))

@@ -104,13 +104,13 @@ class Scheduler(SchedulerState):
         reserve = self.policy.reserved_blocks(now)
         # Swap-ins leave the arrival reserve and earmarked blocks free, unless nothing else could run.
         keep_free = reserve + self.earmarked_blocks if self.running or self.waiting else 0
-        if self.agents is not None and not self.policy.preemptive:
-            # Thrashing avoidance: a swap-in starts only when its whole host part fits beside
-            # what the running requests still need, as a host-tier hit's load does (admission).
-            keep_free += running_needs(self)
+        # Thrashing avoidance: a swap-in starts only when its whole host part fits beside what the
+        # running requests still need (as a host-tier hit's load in admission), and so does a rejoin.
+        needs = running_needs(self) if self.agents is not None and not self.policy.preemptive else None
+        keep_free += needs or 0
         self.earmarked_blocks = 0
         self._plan_swaps(now, out, running_tokens, keep_free)
-        self._line_up(now)
+        self._line_up(now, needs)
         scheduled: list[tuple[Request, int]] = []
         budget = self._schedule_running(now, out, scheduled, self.config.max_num_batched_tokens)
         if not out.preempted:
@@ -157,8 +157,9 @@ class Scheduler(SchedulerState):
             req.status = RequestStatus.WAITING
             self.waiting.append(req)
 
-    def _line_up(self, now: float) -> None:
-        """Who runs first this step: the running requests in the policy's order."""
+    def _line_up(self, now: float, needs: int | None) -> None:
+        """Who runs first this step: the running requests in the policy's order (`needs`: what
+        they still need, with thrashing avoidance on)."""
         if self.policy.preemptive:
             # Everyone competes for this step in key order; a loser keeps its KV while it waits.
             for req in self.running:
@@ -166,7 +167,7 @@ class Scheduler(SchedulerState):
             self.waiting.extend(self.running)
             self.running = []
         else:
-            rejoin_resident(self)
+            rejoin_resident(self, needs)
         self.running = list(self.policy.order(self.running, now))
 
     def _schedule_running(self, now: float, out: SchedulerOutput, scheduled: list[tuple[Request, int]],

@@ -97,7 +97,7 @@ def fit_beside_agents(sched: SchedulerState, req: Request, hits: list[KVBlock], 
     return Fit.STARVES if past else Fit.WAITS
 
 
-def rejoin_resident(sched: SchedulerState) -> None:
+def rejoin_resident(sched: SchedulerState, committed: int | None) -> None:
     """Non-preemptive policies: a waiting request that still holds its context on the device
     (a preserved pause that ended, a finished swap-in) rejoins the running requests, as
     InferCept keeps it in vLLM's running queue, instead of queueing for admission. Queued
@@ -105,9 +105,9 @@ def rejoin_resident(sched: SchedulerState) -> None:
     it in the waiting queue, waiting holders kept 55% of the pool on average and LAMPS
     preempted 7x as often as FCFS (simulator, 30 minutes at 4 req/s; BENCHMARKS.md). Under
     memory pressure it is preempted like any running request, in the policy's order. With
-    thrashing avoidance on, only one that fits beside the running requests' needs; admission
-    decides about the others (fit_beside_agents), or it grows into a preemption."""
-    committed = running_needs(sched) if sched.agents is not None else None
+    thrashing avoidance on (`committed`: what the running requests still need), only one that
+    fits beside them; admission decides about the others (fit_beside_agents), or it grows into a
+    preemption."""
     for req in sched.policy.order(sched.waiting_holders(), sched.now):
         if req.num_computed_tokens > 0 and len(sched.running) < sched.config.max_num_seqs:
             if committed is not None:
