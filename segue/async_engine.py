@@ -98,7 +98,8 @@ class AsyncLLMEngine:
             async for item in outputs:
                 yield item
 
-    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None = None) -> None:
+    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None = None,
+                     keep: int | None = None) -> None:
         """End the interception of a paused request whose stream is still open (a server-side
         tool finished): its outputs continue on that stream."""
         self._check_alive()
@@ -111,7 +112,7 @@ class AsyncLLMEngine:
 
         def op() -> None:
             try:
-                self.engine.resume(request_id, tokens, params, compiled)
+                self.engine.resume(request_id, tokens, params, compiled, keep)
             except Exception as e:
                 loop.call_soon_threadsafe(done.set_exception, e)
             else:
@@ -119,8 +120,8 @@ class AsyncLLMEngine:
         self.engine_thread.submit(op)
         await done
 
-    async def continue_request(self, request_id: str, tokens: list[int],
-                               params: SamplingParams | None = None) -> AsyncGenerator[RequestOutput, None]:
+    async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None = None,
+                               keep: int | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Resume a paused request whose previous stream was closed (a session's next turn) and
         stream it anew."""
         self._check_alive()
@@ -129,7 +130,7 @@ class AsyncLLMEngine:
         self.streams.detached.discard(request_id)
         queue = self.streams.open(request_id)
         try:
-            await self.resume(request_id, tokens, params)
+            await self.resume(request_id, tokens, params, keep)
         except BaseException:
             self.streams.discard(request_id)
             raise

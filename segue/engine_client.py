@@ -49,12 +49,14 @@ class EngineClient(Protocol):
         cache_salt: requests share cached prefix blocks only with equal salts (tenant isolation).
         task_group: calls that run best side by side (a pool places them together)."""
 
-    def continue_request(self, request_id: str, tokens: list[int],
-                         params: SamplingParams | None = None) -> AsyncGenerator[RequestOutput, None]:
+    def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None = None,
+                         keep: int | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Resume a paused, detached request with `tokens` appended (a session's next turn) and
-        stream it anew; `params` replace its sampling settings."""
+        stream it anew; `params` replace its sampling settings. `keep`: its context is first cut
+        after that many tokens (LLMEngine.resume)."""
 
-    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None = None) -> None:
+    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None = None,
+                     keep: int | None = None) -> None:
         """Resume a paused request whose stream is still open (a server-side tool returned)."""
 
     def detach(self, request_id: str) -> None:

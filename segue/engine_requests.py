@@ -71,16 +71,21 @@ class EngineRequests:
         self.scheduler.intercept_request(req, self.clock(), tool, expected_s)
 
     def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None = None,
-               compiled: Any = None) -> None:
+               compiled: Any = None, keep: int | None = None) -> None:
         """End a request's interception; `tokens` (the tool result, a user turn) join its context.
         `params` replaces the sampling settings (a new turn); its max_tokens counts from here.
         `compiled`: params' constraint from compile_grammar(), which callers on another thread pass
-        so that nothing compiles here; without it a constraint of `params` is compiled here."""
+        so that nothing compiles here; without it a constraint of `params` is compiled here.
+        `keep`: the context is first cut after its first `keep` tokens (at least the prompt), so
+        `tokens` replace the rest (a session turn whose history renders differently)."""
         state = self._states.get(request_id)
         if state is None or state.request.interception is None:
             raise InvalidRequestError(f"request {request_id!r} is not paused")
         req, interception = state.request, state.request.interception
-        if req.num_tokens + len(tokens) >= self.max_model_len:
+        if keep is not None and not req.num_prompt_tokens <= keep <= req.num_tokens:
+            raise InvalidRequestError(f"request {request_id!r} can keep {req.num_prompt_tokens} to "
+                                      f"{req.num_tokens} tokens of its context, not {keep}")
+        if (req.num_tokens if keep is None else keep) + len(tokens) >= self.max_model_len:
             raise InvalidRequestError(f"resuming {request_id!r} would exceed the context window")
         # New params bring their own constraint; otherwise what the constraint says follows a
         # resume applies (compiled with it: nothing to compile).
@@ -97,6 +102,8 @@ class EngineRequests:
         if interception.tool is not None:
             self.tool_stats.observe(interception.tool, self.clock() - interception.t_call)
         state.text_before += state.detokenizer.flush()
+        if keep is not None and keep < req.num_tokens:
+            self.scheduler.paused.truncate(req, keep)
         self.predictors.on_resume(req, len(tokens), self.clock())
         self._predicted(req)
         self.scheduler.resume_request(req, list(tokens), self.clock())

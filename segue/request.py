@@ -94,6 +94,10 @@ class Request:
     # Tokens appended by interceptions (tool results) sit in output_token_ids among the generated
     # ones; max_tokens counts generated tokens only.
     num_appended_tokens: int = 0
+    # Output tokens cut from the context at a resume (PausedRequests.truncate: the next turn's
+    # history renders them differently). Still counted as generated: usage and max_tokens count
+    # what the model produced, and a client's count never goes down.
+    num_cut_tokens: int = 0
     interception: Interception | None = None
     interceptions: list[Interception] = field(default_factory=list)
     # Arrival time the scheduler orders by; `discard` resets it at each resume, others keep it.
@@ -120,7 +124,7 @@ class Request:
 
     @property
     def num_generated_tokens(self) -> int:
-        return len(self.output_token_ids) - self.num_appended_tokens
+        return len(self.output_token_ids) - self.num_appended_tokens + self.num_cut_tokens
 
     @property
     def intercepted_seconds(self) -> float:

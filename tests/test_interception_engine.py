@@ -88,6 +88,36 @@ def test_dispositions_really_happen(tiny):
     assert seen["preserve"][1].preserved_idle_gbs > 0 and seen["preserve"][1].recompute_gbs == 0
 
 
+@pytest.mark.parametrize("policy", ["preserve", "swap", "discard"])
+def test_cut_context_then_resume_equals_generation_over_the_new_context(tiny, policy):
+    """resume(keep=k): the context after its first k tokens is replaced by the new tokens (a session
+    turn that re-renders differently); greedy, the output goes on exactly as a fresh request over
+    the kept prefix plus the new tokens would. Cutting into the prompt is refused and changes nothing."""
+    from segue.sampling_params import InvalidRequestError
+    path, model = tiny
+    engine = make_engine(path, policy=policy)
+    prompt = list(range(1000, 1030))
+    engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    req = engine.scheduler.requests["a"]
+    while req.num_generated_tokens < 9:
+        engine.step()
+    engine.intercept("a")
+    for _ in range(3):  # the disposition acts and its copies complete
+        engine.step()
+        engine.check_invariants()
+    held = list(req.all_token_ids)
+    with pytest.raises(InvalidRequestError):
+        engine.resume("a", [5, 6], keep=len(prompt) - 1)
+    assert engine.paused_token_ids("a") == held
+    new = [3000, 3001, 3002, 3003]
+    engine.resume("a", new, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), keep=len(prompt) + 5)
+    out = run_to_completion(engine)["a"].outputs[0]
+    context = held[:len(prompt) + 5] + new
+    assert out.token_ids[-6:] == hf_greedy(model, context, 6)
+    assert out.token_ids[:-6] == context[len(prompt):]
+    assert engine.scheduler.kv.num_held_blocks() == 0 and not engine.scheduler.kv.host_tables
+
+
 def test_abort_while_paused_and_while_swapped_frees_everything(tiny):
     path, _ = tiny
     engine = make_engine(path, policy="swap")

@@ -8,13 +8,11 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import default_tokenizer
 from segue.async_engine import AsyncLLMEngine
 from segue.program.registry import scoped_program_id
 from segue.server.app import create_app
 from segue.server.auth import tenant_id
 from segue.server.config import ServerConfig
-from segue.server.templating import ChatRenderer
 from test_server_sessions import KEY_A, KEY_B, chat, close, make_client, scripted_text
 from test_server_support import (
     ScriptedModel,
@@ -151,12 +149,14 @@ def test_human_turn_edge_cases(server: ServerThread, engine: AsyncLLMEngine, fir
     plain = chat(a, [{"role": "user", "content": f"{CHAT} No session."}])
     assert plain.choices[0].finish_reason == "stop" and "session_id" not in (plain.model_extra or {})
     wait_idle(engine)
-    # A stop string ends the turn on text the client never sees: the request finishes, not held.
-    cut = chat(a, [{"role": "user", "content": f"{CHAT} Cut me."}], stop=[" friend"],
-               extra_body={"open_session": True})
+    # A stop string ends the turn on text the client never sees: held all the same, and the next
+    # turn replaces the stop string's tokens with what the history renders to.
+    messages = [{"role": "user", "content": f"{CHAT} Cut me."}]
+    cut = chat(a, messages, stop=[" friend"], extra_body={"open_session": True})
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == "Hello there,"
+    (rid,) = paused_ids(engine)
+    continued_as_fresh(server, engine, first_turn, rid, messages, cut)
     wait_idle(engine)
-    assert close(server, cut.model_extra["session_id"], KEY_A) == 200
     # An edited history cannot continue the held request: it is aborted and a fresh one starts.
     messages = [{"role": "user", "content": f"{CHAT} Edit me."}]
     first = chat(a, messages, extra_body={"open_session": True})
@@ -276,10 +276,33 @@ def test_context_window_still_finishes(server: ServerThread, engine: AsyncLLMEng
     assert close(server, out.model_extra["session_id"], KEY_A) == 200
 
 
-def test_length_turn_not_held_when_tokens_differ_from_text(server: ServerThread, engine: AsyncLLMEngine,
-                                                           first_turn: FirstTurnScript) -> None:
+def continued_as_fresh(server: ServerThread, engine: AsyncLLMEngine, first_turn: FirstTurnScript, rid: str,
+                       messages: list[dict], first: Any) -> None:
+    """Continue a held turn whose tokens are not what its text renders to: the same request goes on,
+    cut back to the longest prefix it shares with the rendered history, and holds exactly the
+    context a fresh request with the whole history gets (so, greedy, writes the same)."""
+    a = make_client(server, KEY_A)
+    session = first.model_extra["session_id"]
+    held = len(held_state(engine, rid)[0])
+    history = messages + [first.choices[0].message.model_dump(exclude_none=True),
+                          {"role": "user", "content": FOLLOW_UP}]
+    second = chat(a, history, session, max_tokens=3, extra_body={"ignore_eos": True})
+    assert second.model_extra["session_id"] == session and (rid, 1) in first_turn.contexts
+    kept = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < kept < held and kept < second.usage.prompt_tokens and second.usage.completion_tokens == 3
+    assert close(server, session, KEY_A) == 200
+    fresh = chat(a, history, max_tokens=3, extra_body={"ignore_eos": True})
+    fresh_rid = [r for (r, turn) in first_turn.contexts if turn == 0 and r != rid][-1]
+    assert first_turn.contexts[(fresh_rid, 0)] == first_turn.contexts[(rid, 1)]
+    assert fresh.choices[0].message.content == second.choices[0].message.content
+    assert fresh.usage.prompt_tokens == second.usage.prompt_tokens
+    on_engine(engine, lambda e: e.check_invariants())
+
+
+def test_length_turn_with_other_tokens_than_its_text_is_held_and_cut(server: ServerThread, engine: AsyncLLMEngine,
+                                                                     first_turn: FirstTurnScript) -> None:
     """Tokens that are not what their text encodes to (here one token per character): a fresh
-    request would hold other tokens, so the turn is not held; the next turn starts fresh."""
+    request would hold other tokens, so the next turn cuts them and computes the rendered ones."""
     a = make_client(server, KEY_A)
     spelled = [t for ch in "Hello" for t in encode(ch)]
     saved, first_turn.tokens = first_turn.tokens, spelled
@@ -289,51 +312,6 @@ def test_length_turn_not_held_when_tokens_differ_from_text(server: ServerThread,
     finally:
         first_turn.tokens = saved
     assert first.choices[0].finish_reason == "length" and first.choices[0].message.content == "Hello"
-    session = first.model_extra["session_id"]
-    wait_idle(engine)  # aborted at the end of the turn: nothing held
-    history = messages + [first.choices[0].message.model_dump(exclude_none=True),
-                          {"role": "user", "content": FOLLOW_UP}]
-    second = chat(a, history, session, max_tokens=3, extra_body={"ignore_eos": True})
-    assert second.model_extra["session_id"] == session
-    assert 0 < second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
-    assert close(server, session, KEY_A) == 200
+    (rid,) = paused_ids(engine)
+    continued_as_fresh(server, engine, first_turn, rid, messages, first)
     wait_idle(engine)
-
-
-TRIMMING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def test_cut_turn_check_on_real_templates(engine: AsyncLLMEngine) -> None:
-    """ChatRenderer.continues_cut_turn against the default model's template and the tiny test model's:
-    true exactly when held tokens + the continuation's tokens equal a fresh request's tokens."""
-    tok = default_tokenizer()
-
-    def renderer(template: str) -> ChatRenderer:
-        def apply(messages: list[dict], add_generation_prompt: bool, tools: Any) -> str:
-            return tok.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
-        return ChatRenderer(apply, template)
-
-    history = [{"role": "user", "content": "Hi"}]
-    fox = encode("🦊")
-    assert len(fox) > 1 and "\ufffd" in tok.decode(fox[:1])
-    tiny = on_engine(engine, lambda e: e.chat_template)
-    for template in (tok.chat_template, tiny):
-        r = renderer(template)
-        prompt = encode(r.render(history, None))
-        assert r.continues_cut_turn(history, GREETING, None, prompt + encode(GREETING), encode)
-        # Continued, the session's request holds exactly a fresh request's tokens.
-        after = r.continuation(history, GREETING, [{"role": "user", "content": FOLLOW_UP}], None)
-        full = r.render(history + [{"role": "assistant", "content": GREETING},
-                                   {"role": "user", "content": FOLLOW_UP}], None)
-        assert after.startswith("<|im_end|>") and prompt + encode(GREETING) + encode(after) == encode(full)
-        # Tokens other than the text's own encoding, and a cut inside a character, are refused.
-        spelled = [t for ch in GREETING for t in encode(ch)]
-        assert not r.continues_cut_turn(history, GREETING, None, prompt + spelled, encode)
-        assert not r.continues_cut_turn(history, tok.decode(fox[:1]), None, prompt + fox[:1], encode)
-    # A template that trims content renders other text than the model holds: refused.
-    r = renderer(TRIMMING)
-    prompt = encode(r.render(history, None))
-    assert r.continues_cut_turn(history, "Hello", None, prompt + encode("Hello"), encode)
-    assert not r.continues_cut_turn(history, "Hello ", None, prompt + encode("Hello "), encode)

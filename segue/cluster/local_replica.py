@@ -30,14 +30,15 @@ class LocalReplica(EngineReplica):
                 yield out, self.engine.load_report()
 
     async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
-                               tool_parser: Any) -> AsyncGenerator[ReplicaOutput, None]:
+                               tool_parser: Any, keep: int | None = None) -> AsyncGenerator[ReplicaOutput, None]:
         # In process the engine holds the caller's parser object itself: nothing to refresh.
-        async with contextlib.aclosing(self.engine.continue_request(request_id, tokens, params)) as outs:
+        async with contextlib.aclosing(self.engine.continue_request(request_id, tokens, params, keep)) as outs:
             async for out in outs:
                 yield out, self.engine.load_report()
 
-    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None) -> None:
-        await self.engine.resume(request_id, tokens, params)
+    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None,
+                     keep: int | None = None) -> None:
+        await self.engine.resume(request_id, tokens, params, keep)
 
     def detach(self, request_id: str) -> None:
         self.engine.detach(request_id)

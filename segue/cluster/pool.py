@@ -102,20 +102,21 @@ class EnginePool:
         async for out in self._stream(rid, replica, replica.generate(token_ids, params, rid, hints)):
             yield out
 
-    async def continue_request(self, request_id: str, tokens: list[int],
-                               params: SamplingParams | None = None) -> AsyncGenerator[RequestOutput, None]:
+    async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None = None,
+                               keep: int | None = None) -> AsyncGenerator[RequestOutput, None]:
         self._check_alive()
         replica = self._replica_of(request_id)
         if request_id in self._streaming:
             raise InvalidRequestError(f"request {request_id!r} is still streaming")
         self._detached.discard(request_id)
-        source = replica.continue_request(request_id, tokens, params, self._parsers.get(request_id))
+        source = replica.continue_request(request_id, tokens, params, self._parsers.get(request_id), keep)
         async for out in self._stream(request_id, replica, source):
             yield out
 
-    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None = None) -> None:
+    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None = None,
+                     keep: int | None = None) -> None:
         self._check_alive()
-        await self._replica_of(request_id).resume(request_id, tokens, params)
+        await self._replica_of(request_id).resume(request_id, tokens, params, keep)
 
     def detach(self, request_id: str) -> None:
         index = self._owners.get(request_id)

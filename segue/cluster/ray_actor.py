@@ -90,7 +90,7 @@ class EngineActor:
             yield item
 
     async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
-                               tool_parser: Any) -> AsyncGenerator[ActorOutput, None]:
+                               tool_parser: Any, keep: int | None = None) -> AsyncGenerator[ActorOutput, None]:
         previous = self._streams.get(request_id)
         if previous is not None and previous[0].is_set():
             # A detach of the last turn's stream is still closing it; continuing now would find
@@ -100,11 +100,12 @@ class EngineActor:
         if tool_parser is not None:
             # The server re-arms its parser between turns; the actor's copy must be that one.
             await self.engine.set_tool_parser(request_id, tool_parser)
-        async for item in self._serve(request_id, self.engine.continue_request(request_id, tokens, params)):
+        async for item in self._serve(request_id, self.engine.continue_request(request_id, tokens, params, keep)):
             yield item
 
-    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None) -> None:
-        await self.engine.resume(request_id, tokens, params)
+    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None,
+                     keep: int | None = None) -> None:
+        await self.engine.resume(request_id, tokens, params, keep)
 
     async def detach(self, request_id: str) -> None:
         self.engine.detach(request_id)

@@ -76,13 +76,13 @@ class RayReplica(EngineReplica):
             yield item
 
     async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
-                               tool_parser: Any) -> AsyncGenerator[ReplicaOutput, None]:
+                               tool_parser: Any, keep: int | None = None) -> AsyncGenerator[ReplicaOutput, None]:
         self._check_up()
         pending = self._detaching.pop(request_id, None)
         if pending is not None:
             await self._settle(pending)
         stream = self.actor.continue_request.options(num_returns="streaming").remote(
-            request_id, tokens, params, tool_parser)
+            request_id, tokens, params, tool_parser, keep)
         async for item in self._relay(request_id, stream):
             yield item
 
@@ -147,9 +147,10 @@ class RayReplica(EngineReplica):
         except ray.exceptions.RayError as e:
             raise self._translate(e) from None
 
-    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None) -> None:
+    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None,
+                     keep: int | None = None) -> None:
         self._check_up()
-        await self._call(self.actor.resume.remote(request_id, tokens, params))
+        await self._call(self.actor.resume.remote(request_id, tokens, params, keep))
 
     def detach(self, request_id: str) -> None:
         self._detaching[request_id] = self.actor.detach.remote(request_id)

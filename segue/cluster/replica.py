@@ -47,12 +47,13 @@ class EngineReplica(abc.ABC):
 
     @abc.abstractmethod
     def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
-                         tool_parser: Any) -> AsyncGenerator[ReplicaOutput, None]:
+                         tool_parser: Any, keep: int | None = None) -> AsyncGenerator[ReplicaOutput, None]:
         """AsyncLLMEngine.continue_request; `tool_parser` is the caller's current parser object (the
         server re-arms it between turns), for replicas that hold a copy of it."""
 
     @abc.abstractmethod
-    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None) -> None: ...
+    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None,
+                     keep: int | None = None) -> None: ...
 
     @abc.abstractmethod
     def detach(self, request_id: str) -> None: ...

@@ -260,6 +260,32 @@ class KVCacheManager:
         self._num_registered.pop(rid, None)
         request.num_computed_tokens = 0
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Keep only a paused request's first `num_tokens` tokens of context, in whole blocks
+        (the caller cuts its tokens). The blocks after them, on the device or the host, are freed
+        (published ones stay findable); a partly kept block is dropped too, since a published
+        block must not be rewritten, so up to block_size - 1 kept tokens are computed again."""
+        keep = num_tokens // self.block_size
+        rid = request.request_id
+        device, host = self.tables.get(rid, []), self.host_tables.get(rid, [])
+        host_keep = max(0, keep - len(device))
+        if host[host_keep:] and self._tier is not None:
+            self._tier.free(list(reversed(host[host_keep:])))
+            if host_keep:
+                self._tier.tables[rid] = host[:host_keep]
+            else:
+                del self._tier.tables[rid]
+        if device[keep:]:
+            self.device.free(list(reversed(device[keep:])))
+            if keep:
+                self.tables[rid] = device[:keep]
+            else:
+                del self.tables[rid]
+        if rid in self._num_registered:
+            self._num_registered[rid] = min(self._num_registered[rid], keep)
+        request.num_computed_tokens = min(request.num_computed_tokens, keep * self.block_size)
+        del request.block_hashes[keep:]
+
     # ---- swapping (HostTier; without host memory nothing moves) --------------------------
     def open_link(self, blocks: int) -> None:
         """A step begins: its copies may move `blocks` blocks in all. Write-backs wait for

@@ -57,6 +57,18 @@ class PausedRequests:
         req.status = RequestStatus.WAITING
         return True
 
+    def truncate(self, req: Request, keep: int) -> None:
+        """Cut a paused request's context after its first `keep` tokens (never into the prompt),
+        before a resume appends what replaces them: a turn whose history the next turn renders
+        differently (a cut inside a character, a skipped special token, a stop string)."""
+        assert req.request_id in self.paused, f"{req.request_id} is not paused"
+        assert req.num_prompt_tokens <= keep <= req.num_tokens, f"{req.request_id}: cannot keep {keep} tokens"
+        self.kv.truncate(req, keep)
+        req.num_cut_tokens += req.num_tokens - keep
+        del req.output_token_ids[keep - req.num_prompt_tokens:]
+        # The tokens from `keep` on are new: computing them is not a recompute.
+        req.max_computed_tokens = min(req.max_computed_tokens, keep)
+
     def enqueue_swapped(self, req: Request) -> None:
         """Queue a request with part of its context on the host for swap-in."""
         req.status = RequestStatus.SWAPPED

@@ -13,9 +13,12 @@ not as the text the model wrote.
 A turn in a session (or one that opens a session) pauses at its stop instead of finishing
 (pause_on_stop), and so at max_tokens (pause_on_length), so the human's reply continues it like a
 tool result does. A request paused at its end-of-turn token already holds that token: the
-continuation starts after it. One cut off by max_tokens holds none: the continuation starts with the
-text that closes the assistant message, exactly what a fresh render of the history has there
-(checked before the turn was held, tool_loop.py).
+continuation starts after it. Any other held turn (cut off by max_tokens, ended by a stop string)
+may hold tokens that rendering its text does not give: a cut inside a character, a special token
+the text skips, the stop string. Its next turn renders the whole history and keeps the longest
+common prefix of the held and the rendered tokens; the engine cuts the rest of the context
+(LLMEngine.resume's `keep`) and computes the rendered tokens after it, so the request holds exactly
+a fresh request's tokens and recomputes only from the first difference.
 """
 from __future__ import annotations
 
@@ -52,6 +55,11 @@ async def _first(request: Request, deadline: Deadline, gen: Any) -> RequestOutpu
     return first
 
 
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 async def continue_held(ctx: ServingContext, request: Request, body: ChatCompletionRequest, setup: ToolSetup,
                         session: Session, held: HeldRequest, deadline: Deadline) -> ChatTurn | None:
     """The continued turn, or None when the held request cannot be continued (caller aborts it)."""
@@ -62,24 +70,36 @@ async def continue_held(ctx: ServingContext, request: Request, body: ChatComplet
     if await ctx.engine.held_token_ids(held.request_id) != held.token_ids:
         return None
     new_messages = held.server_results + ctx.renderer.template_messages(body.messages[n:])
-    text = await ctx.in_thread(ctx.renderer.continuation, held.context, held.segment, new_messages, setup.tools)
-    if not text.startswith(held.end_text):
+    context = held.context + [{"role": "assistant", "content": held.segment}] + new_messages
+    keep: int | None = None
+    if held.rerender:
+        def render() -> list[int]:
+            return ctx.engine.encode(ctx.renderer.render(context, setup.tools))
+        fresh = await ctx.in_thread(render)
+        keep = common_prefix_len(held.token_ids, fresh)
+        suffix = fresh[keep:]
+    else:
+        text = await ctx.in_thread(ctx.renderer.continuation, held.context, held.segment, new_messages, setup.tools)
+        if not text.startswith(held.end_text):
+            return None
+        suffix = await ctx.tokenize(text[len(held.end_text):])
+    if not suffix:
         return None
-    suffix = await ctx.tokenize(text[len(held.end_text):])
-    params = body.to_sampling_params(len(held.token_ids) + len(suffix), ctx.max_model_len, ctx.generation_defaults)
+    kept = len(held.token_ids) if keep is None else keep
+    params = body.to_sampling_params(kept + len(suffix), ctx.max_model_len, ctx.generation_defaults)
     params.structured = setup.constraint or params.structured
     params.pause_on_stop = params.pause_on_length = True
-    gen = ctx.engine.continue_request(held.request_id, suffix, params)
+    # An engine refuses to keep less than the request's prompt: the turn then starts fresh.
+    gen = ctx.engine.continue_request(held.request_id, suffix, params, keep)
     session.active_request_id = held.request_id
     try:
         first = await _first(request, deadline, gen)
-    except InvalidRequestError:  # no longer paused, or the new messages overflow the context
-        await gen.aclose()
+    except InvalidRequestError:  # no longer paused, the new messages overflow the context, or
+        await gen.aclose()        # the kept prefix is shorter than the request's prompt
         return None
-    context = held.context + [{"role": "assistant", "content": held.segment}] + new_messages
     return ChatTurn(ctx, held.request_id, prepend(first, gen), setup, held.parser, context, deadline,
                     text_start=held.text_len, gen_start=held.num_generated,
-                    cached_tokens=len(held.token_ids), expected_tool_seconds=body.expected_tool_seconds)
+                    cached_tokens=kept, expected_tool_seconds=body.expected_tool_seconds)
 
 
 async def start_fresh(ctx: ServingContext, request: Request, body: ChatCompletionRequest, setup: ToolSetup,

@@ -10,10 +10,10 @@ messages fed to the engine. While paused, the request's KV
 follows the engine's interception policy (preserved, swapped or discarded), so a held session
 costs little device memory; the idle expiry aborts it.
 
-A turn that ends on a stop string (whose text the client never sees but the context would keep),
-on the context window, or on max_tokens where the continuation would not give the tokens a fresh
-request gets (tool_loop.py) is not held; the next turn starts fresh from the full history and the
-prefix cache serves the shared part.
+A turn that ends on the context window is not held (nothing would fit after it). One whose held
+tokens may differ from what the template renders for its text (cut off by max_tokens inside a
+character, a stop string the client never saw) is held too: the next turn renders the whole
+history and keeps the longest common prefix of the two token lists, recomputing only the rest.
 
 Sessions belong to the tenant (API key) that made them; any other tenant gets the same 404 as for
 an unknown id, so ids cannot be probed.
@@ -53,8 +53,13 @@ class HeldRequest:
     tools: list[dict[str, Any]]
     # Text of the token held after `segment` when the turn paused at its stop (the end-of-turn
     # token): the next turn's rendered continuation starts with it, and it is not appended again.
-    # Empty when the turn was cut off by max_tokens: the continuation is appended whole.
     end_text: str = ""
+    # The turn ended elsewhere (cut off by max_tokens, a stop string, a stop token the template
+    # does not continue with): its tokens may not be what rendering the history gives (a cut
+    # inside a character, a special token the text skips, text the client never saw). The next
+    # turn renders the whole history, keeps the longest prefix it shares with `token_ids` and
+    # replaces the rest, so it holds exactly a fresh request's tokens.
+    rerender: bool = False
 
 
 @dataclass

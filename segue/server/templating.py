@@ -112,23 +112,6 @@ class ChatRenderer:
             self._turn_ends[text] = bool(text) and after.startswith(text)
         return self._turn_ends[text]
 
-    def continues_cut_turn(self, history: list[dict[str, Any]], generated: str, tools: list[dict] | None,
-                           held: list[int], encode: Callable[[str], list[int]]) -> bool:
-        """Whether a request that holds `held` (a turn cut off by max_tokens: the tokens end with
-        `generated`, no end-of-turn token) can go on into the next turn holding exactly the tokens a
-        fresh request with the whole history would get. The continuation then starts by closing the
-        assistant message, so tokenizing it on its own must split where tokenizing the whole text
-        does, and the generated tokens must be what the text re-encodes to (not so after a cut
-        inside a character, a skipped special token, or a template that edits the content).
-        Checked on a one-word user turn: the text that closes the message does not depend on it."""
-        probe = [{"role": "user", "content": "x"}]
-        try:
-            after = self.continuation(history, generated, probe, tools)
-            fresh = self.render(history + [{"role": "assistant", "content": generated}] + probe, tools)
-        except APIError:
-            return False
-        return encode(fresh) == held + encode(after)
-
     def template_messages(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
         """Client messages as chat templates expect them."""
         return [self.template_message(m) for m in messages]

@@ -7,8 +7,8 @@ engine request continues, so the client sees one response. If any call is the cl
 request stays paused (detached into a session) and the response ends with finish_reason
 "tool_calls". A session's turn that ends normally pauses too (pause_on_stop): the response ends
 with "stop" and the session holds the request, its end-of-turn token included, for the human's
-reply; so does one cut off by max_tokens (pause_on_length, "length"), held only when the next
-turn's continuation gives the tokens a fresh request would. Tool durations are not recorded here:
+reply; so does one cut off by max_tokens (pause_on_length, "length"); the next turn keeps what it
+holds of the tokens a fresh request would get. Tool durations are not recorded here:
 the engine times each interception itself.
 
 Text inside tool calls is never shown as content: deltas stop short of anything that could still
@@ -151,29 +151,23 @@ class ChatTurn:
 
     # ---- pauses --------------------------------------------------------------------------
     async def _hold_turn_end(self, out: RequestOutput, c: CompletionOutput) -> TurnEnd:
-        """The turn ended (a stop, or max_tokens) with its request paused: hand it to the session
-        when its context is what the next turn's rendering would continue; otherwise it is aborted
-        (events' finally) and the next turn starts fresh, as after a finished turn."""
-        reason = c.finish_reason or "stop"
-        end = self._end(out, reason)
-        if isinstance(c.stop_reason, str) or not c.token_ids:
-            # A stop string: the context holds text the client never saw (its history will not).
+        """The turn ended (a stop, or max_tokens) with its request paused: hand it to the session.
+        A turn that ended on an end-of-turn token the template continues with goes on by
+        appending the next turn's messages; any other (cut off, a stop string the client never
+        saw, another stop token) holds tokens the next turn's rendering may not reproduce, so
+        that turn re-renders the whole history and replaces what differs (HeldRequest.rerender)."""
+        end = self._end(out, c.finish_reason or "stop")
+        if not c.token_ids:
             return end
-        held_ids = list(out.prompt_token_ids) + list(c.token_ids)
-        segment = self._segment(c)
         end_text = ""
-        if reason == "length":
-            # Cut off: no end-of-turn token is held, the next turn's rendering closes the message.
-            if not await self.ctx.in_thread(self.ctx.renderer.continues_cut_turn, self.context, segment,
-                                            self.setup.tools, held_ids, self.ctx.engine.encode):
-                return end
-        else:
-            end_text = self.ctx.engine.decode([c.token_ids[-1]])
-            if not self.ctx.renderer.ends_turn_with(end_text):
-                return end
+        if c.finish_reason != "length" and not isinstance(c.stop_reason, str):
+            last = self.ctx.engine.decode([c.token_ids[-1]])
+            if self.ctx.renderer.ends_turn_with(last):
+                end_text = last
         self.ctx.engine.detach(self.request_id)
-        end.held = HeldRequest(self.request_id, held_ids, self.context, segment, len(c.text),
-                               c.num_generated_tokens, [], self.parser, self.setup.tools, end_text=end_text)
+        end.held = HeldRequest(self.request_id, list(out.prompt_token_ids) + list(c.token_ids), self.context,
+                               self._segment(c), len(c.text), c.num_generated_tokens, [], self.parser,
+                               self.setup.tools, end_text=end_text, rerender=not end_text)
         if self.expected_tool_seconds is not None:  # here: how long the human (or client) takes
             await self.ctx.engine.expect_resume(self.request_id, self.expected_tool_seconds)
         return end
