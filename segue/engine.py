@@ -186,7 +186,7 @@ class LLMEngine(EngineRequests):
     def _stop_at_string(self, req: Request, stop_str: str) -> None:
         req.stop_reason = stop_str
         if req.sampling_params.pause_on_stop:
-            self.intercept(req.request_id)
+            self.intercept(req.request_id, turn_end=True)
         else:
             self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
 

@@ -60,7 +60,8 @@ class EngineRequests:
         return self.add_prepared(state)
 
     # ---- interceptions -------------------------------------------------------------------
-    def intercept(self, request_id: str, tool: str | None = None, expected_s: float | None = None) -> None:
+    def intercept(self, request_id: str, tool: str | None = None, expected_s: float | None = None,
+                  turn_end: bool = False) -> None:
         """Pause a request that just produced a token (a tool call, a human turn). Its KV then
         follows the interception policy until resume()."""
         req = self._states[request_id].request
@@ -68,7 +69,7 @@ class EngineRequests:
         self._predicted(req)
         if expected_s is None and tool is not None:
             expected_s = self.tool_stats.expected(tool)
-        self.scheduler.intercept_request(req, self.clock(), tool, expected_s)
+        self.scheduler.intercept_request(req, self.clock(), tool, expected_s, turn_end)
 
     def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None = None,
                compiled: Any = None, keep: int | None = None) -> None:

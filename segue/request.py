@@ -57,6 +57,9 @@ class Interception:
     expected_duration: float | None = None
     t_resume: float | None = None
     disposition: Disposition = Disposition.PRESERVE
+    # Paused at the end of a turn (pause_on_stop, pause_on_length, a stop string): what continues
+    # it is a client's next message, not a tool result.
+    turn_end: bool = False
 
 
 @dataclass(eq=False)

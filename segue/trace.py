@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The kind of a pause that ends a turn: a client's next message continues the request (a session
+# on the server), not a tool result; the engine pauses it as a turn end (Interception.turn_end).
+TURN = "turn"
+
 
 @dataclass
 class TraceSegment:

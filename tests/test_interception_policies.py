@@ -50,6 +50,19 @@ def test_min_waste_gives_swap_budget_to_largest_waste_then_compares():
     assert decisions["C"].disposition is Disposition.PRESERVE    # eq. 5: 10_000 < 25_000
 
 
+def test_min_waste_releases_a_turn_end_at_once_and_gives_the_budget_to_tool_pauses():
+    """A session's turn end (Interception.turn_end) waits for the client's next message: min-waste
+    releases it (DISCARD: blocks into the prefix cache, written back when evicted) whatever its
+    waste, and the swap budget goes to the tool pauses."""
+    turn = paused("T", device=200, elapsed=0.1)  # B's numbers: it would get the whole budget
+    turn.request.interception.turn_end = True
+    decisions = make_interception_policy("min-waste").decide([A, turn, C], STATE)
+    assert decisions["T"].disposition is Disposition.DISCARD
+    # The tool pauses share the 60-token budget by waste: A (11_250) all 50, C (10_000) the rest.
+    assert decisions["A"] == make_decision(Disposition.SWAP, 50)
+    assert decisions["C"] == make_decision(Disposition.SWAP, 10)
+
+
 def test_min_waste_dynamic_estimate_turns_preserve_into_discard_over_time():
     policy = make_interception_policy("min-waste")
     no_budget = StepState(10.0, 200, 20, 0, COST)

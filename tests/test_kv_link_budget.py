@@ -152,3 +152,27 @@ def test_a_swap_out_that_copies_nothing_still_makes_the_request_swapped():
     assert swap_out(sched, a, 4, out) == 4 and out.blocks_to_swap_out == []
     assert a.status is RequestStatus.SWAPPED and a in sched.paused.swapped and a not in sched.waiting
     sched.check_invariants()
+
+
+def test_nothing_running_waits_for_swap_outs_in_flight_before_discarding_a_holder() -> None:
+    """release_waiting_kv (nothing runs, the head does not fit): blocks a swap-out is copying to
+    the host are free by the next step, so while they cover the head's need no waiting request's
+    resident context is thrown away (it would be recomputed)."""
+    from segue.sched.reclaim import release_waiting_kv
+    sched, _ = make("preserve", device_blocks=10, host_blocks=20)
+    kv = sched.kv
+    paused = Request("paused", list(range(300, 316)), SamplingParams(max_tokens=4), 0.0)
+    assert kv.allocate_slots(paused, 16)
+    paused.num_computed_tokens = 16
+    kv.open_link(64)
+    assert len(kv.swap_out_blocks(paused, 4)) == 4 and kv.num_swapping_out_blocks == 4
+    holder = Request("holder", list(range(400, 416)), SamplingParams(max_tokens=4), 0.0)
+    sched.add_request(holder)
+    assert kv.allocate_slots(holder, 16)
+    holder.num_computed_tokens = 16
+    head = Request("head", list(range(500, 528)), SamplingParams(max_tokens=4), 0.0)
+    assert kv.num_free_blocks == 2
+    assert not release_waiting_kv(sched, head, 6)  # 2 free + 4 in flight: wait a step
+    assert kv.num_device_blocks_of("holder") == 4 and holder.num_preemptions == 0
+    assert release_waiting_kv(sched, head, 7)  # more than will come free: the holder gives way
+    assert kv.num_device_blocks_of("holder") == 0 and holder.num_preemptions == 1

@@ -61,3 +61,4 @@ def test_cut_blocks_stay_findable_for_other_requests() -> None:
     assert len(hits) == 6
     sched.check_invariants()
 
+

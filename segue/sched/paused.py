@@ -35,9 +35,10 @@ class PausedRequests:
         # Fully swapped in during the last step; runnable once that step's copies are done.
         self._landing: list[Request] = []
 
-    def intercept(self, req: Request, now: float, tool: str | None, expected_s: float | None) -> None:
+    def intercept(self, req: Request, now: float, tool: str | None, expected_s: float | None,
+                  turn_end: bool = False) -> None:
         req.status = RequestStatus.INTERCEPTED
-        req.interception = Interception(t_call=now, tool=tool, expected_duration=expected_s)
+        req.interception = Interception(t_call=now, tool=tool, expected_duration=expected_s, turn_end=turn_end)
         req.interceptions.append(req.interception)
         self.paused[req.request_id] = req
 

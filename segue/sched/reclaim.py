@@ -46,8 +46,14 @@ def discard(sched: SchedulerState, req: Request) -> None:
 def release_waiting_kv(sched: SchedulerState, head: Request, need_blocks: int) -> bool:
     """When nothing runs, nothing will ever free memory: requests that wait while holding KV
     (resumed preserved or swapped-in contexts) could block the head of the queue forever.
-    Drop the KV of the lowest-priority holders (they recompute later). True if any freed."""
+    Drop the KV of the lowest-priority holders (they recompute later). True if any freed.
+    Swap-outs in flight free their blocks by the next step: when they cover the need, the head
+    waits one step instead (real engine, sessions under pressure: every turn of a batch paused
+    at once, min-waste swapped their contexts out, and the head discarded a resumed turn's
+    resident context in the same step, 3-11 recomputes a run)."""
     if sched.running:
+        return False
+    if sched.kv.num_free_blocks + sched.kv.num_swapping_out_blocks >= need_blocks:
         return False
     freed = False
     # Partly swapped-in requests first (their host prefix is kept; the device part will be

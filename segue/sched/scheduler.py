@@ -59,11 +59,11 @@ class Scheduler(SchedulerState):
         return request
 
     def intercept_request(self, request: Request, now: float, tool: str | None = None,
-                          expected_s: float | None = None) -> None:
+                          expected_s: float | None = None, turn_end: bool = False) -> None:
         """Pause a running request (it just produced the token that triggered the interception)."""
         assert request.status == RequestStatus.RUNNING, f"cannot intercept a {request.status} request"
         self.running.remove(request)
-        self.paused.intercept(request, now, tool, expected_s)
+        self.paused.intercept(request, now, tool, expected_s, turn_end)
         self.policy.on_intercepted(request, now)
 
     def resume_request(self, request: Request, tokens: list[int], now: float) -> None:
@@ -238,7 +238,7 @@ class Scheduler(SchedulerState):
             status = self._check_stop(req, token)
             if status is not None and self._pauses_at(req, status):
                 # The turn ended but the conversation goes on: keep the context for the next turn.
-                self.intercept_request(req, self.now)
+                self.intercept_request(req, self.now, turn_end=True)
             elif status is not None:
                 self.finish_request(req, status)
         return got_token

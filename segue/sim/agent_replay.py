@@ -29,7 +29,7 @@ from segue.sampling_params import SamplingParams
 from segue.sim.replay import token_range
 from segue.sim.script import scripted
 from segue.sim.workloads.agents import Agent, AgentSpec, system_prompt_ids, task_ids, tool_result_ids
-from segue.trace import TraceSegment
+from segue.trace import TURN, TraceSegment
 
 MODES = ("plain", "sessions", "auto")
 
@@ -99,11 +99,13 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
         if mode == "plain":
             engine.add_request(f"a{a.index}-t{st.turn}", list(st.context), params, arrival_time=at)
             return
-        script = [TraceSegment(spec.output_tokens, a.tool_s[t], tool_result_ids(spec, a, t, vocab), kind="tool")
+        # Each pause ends a turn, as on the server: the client runs the tool and sends its result
+        # as the next message.
+        script = [TraceSegment(spec.output_tokens, a.tool_s[t], tool_result_ids(spec, a, t, vocab), kind=TURN)
                   for t in range(a.num_turns - 1)] + [TraceSegment(spec.output_tokens)]
         if mode == "auto":
             # Held after the last turn until dropped (the resume at 10 × TTL never comes).
-            script[-1] = TraceSegment(spec.output_tokens, 10 * ttl_s, [vocab[0]], kind="turn")
+            script[-1] = TraceSegment(spec.output_tokens, 10 * ttl_s, [vocab[0]], kind=TURN)
             script.append(TraceSegment(1))
         scripted(engine).add_request(f"a{a.index}", list(st.context), params, script, arrival_time=at)
 

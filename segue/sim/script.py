@@ -16,7 +16,7 @@ from segue.engine import LLMEngine
 from segue.outputs import RequestOutput
 from segue.request import Request, RequestStatus
 from segue.sampling_params import SamplingParams
-from segue.trace import TraceSegment
+from segue.trace import TURN, TraceSegment
 
 
 @dataclass
@@ -133,7 +133,7 @@ class ScriptedRequests:
         if seg is None:
             return False
         assert seg.interception_s is not None  # pause_due returns only segments that pause
-        self.engine.intercept(request_id, seg.kind)
+        self.engine.intercept(request_id, seg.kind, turn_end=seg.kind == TURN)
         self.trace.schedule_resume(request_id, now + seg.interception_s)
         return True
 
