@@ -1,7 +1,9 @@
 """InferCept's min-waste interception (§4.3): each step, rank paused requests by the waste they
 would cause, give the swap-out budget to the largest, and preserve or discard the rest,
 whichever wastes less (eqs. 2, 4, 5). Durations come from the tool's history when known, else
-from the time paused so far, so a preserved request can later be swapped or discarded."""
+from the time paused so far, so a preserved request can later be swapped or discarded. A
+session's turn end (Interception.turn_end), which waits for a client rather than a tool, is
+released at once instead (see decide)."""
 from __future__ import annotations
 
 from segue.request import Disposition
