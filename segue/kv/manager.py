@@ -2,7 +2,8 @@
 
 The host pool is a second tier of the prefix cache (SGLang's HiCache, ANCHORS.md §1): a block
 copied out keeps its hash there, so any request whose prefix continues past its device hits into
-host-resident blocks loads them instead of recomputing them.
+host-resident blocks loads them instead of recomputing them. The host-tier side of the manager
+(host queries, host hits, swaps, write-backs and the link budget) is in manager_host.py.
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from collections import Counter
 
 from segue.kv.block_pool import BlockPool, KVBlock, num_private_tail
 from segue.kv.hashing import BlockHasher
-from segue.kv.host_tier import Copies, HostLink, HostTier
+from segue.kv.host_tier import HostLink, HostTier
+from segue.kv.manager_host import HostTierSide
 from segue.kv.retained import RetainedContext, RetainedContexts
 from segue.request import Request
 
@@ -19,7 +21,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
+class KVCacheManager(HostTierSide):
     def __init__(self, block_size: int, num_device_blocks: int, num_host_blocks: int = 0,
                  enable_prefix_caching: bool = True, hash_salt: int = 0) -> None:
         if block_size < 1:
@@ -46,21 +48,6 @@ class KVCacheManager:
                                   enable_prefix_caching)
         self.host = self._tier.pool if self._tier is not None else None
 
-    @property
-    def host_tables(self) -> dict[str, list[KVBlock]]:
-        """Each request's host blocks, which continue its device table (empty without a host tier)."""
-        return self._tier.tables if self._tier is not None else {}
-
-    @property
-    def keyed_reloads(self) -> bool:
-        """Whether host blocks read back are keyed for eviction (HostTier.keyed_reloads)."""
-        return self._tier is not None and self._tier.keyed_reloads
-
-    @keyed_reloads.setter
-    def keyed_reloads(self, on: bool) -> None:
-        if self._tier is not None:
-            self._tier.keyed_reloads = on
-
     def set_clock(self, now: float) -> None:
         """The scheduler's time, for the eviction order of blocks kept for an expected resume."""
         self.device.now = now
@@ -78,26 +65,6 @@ class KVCacheManager:
     def num_used_blocks(self) -> int: return self.device.num_used_blocks
     def usage(self) -> float: return self.device.usage()
 
-    # Host pool: the same, all 0 without one.
-    @property
-    def has_host_tier(self) -> bool: return self.host is not None
-    @property
-    def num_host_blocks(self) -> int: return self.host.num_blocks if self.host is not None else 0
-    @property
-    def num_free_host_blocks(self) -> int: return self.host.num_free_blocks if self.host is not None else 0
-    @property
-    def num_used_host_blocks(self) -> int: return self.host.num_used_blocks if self.host is not None else 0
-
-    @property
-    def num_swapping_out_blocks(self) -> int:
-        """Device blocks whose copy to the host is in flight: used until the next step."""
-        return len(self._tier.swapping_out) if self._tier is not None else 0
-
-    @property
-    def link_budget(self) -> int:
-        """Blocks the host link may still copy in this step (open_link)."""
-        return self._link.budget
-
     def num_held_blocks(self) -> int:
         """Device blocks in requests' tables (counted once per table that holds them)."""
         return sum(len(t) for t in self.tables.values())
@@ -107,22 +74,11 @@ class KVCacheManager:
         """The requests that hold device blocks (bounded by the pool, unlike the queues)."""
         return [rid for rid, table in self.tables.items() if table]
 
-    def request_ids_on_host(self) -> list[str]:
-        """The requests that hold host blocks."""
-        return list(self.host_tables)
-
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(request_id, ())]
 
     def num_device_blocks_of(self, request_id: str) -> int:
         return len(self.tables.get(request_id, ()))
-
-    def num_host_blocks_of(self, request_id: str) -> int:
-        return len(self.host_tables.get(request_id, ()))
-
-    def has_host_blocks(self, request_id: str) -> bool:
-        """Whether part of the request's context is on the host (a host table is never empty)."""
-        return request_id in self.host_tables
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         total = request.num_computed_tokens + num_new_tokens
@@ -169,12 +125,6 @@ class KVCacheManager:
         if hits and len(hits) * self.block_size >= request.num_tokens:
             hits.pop()
         return hits, len(hits) * self.block_size
-
-    def get_host_hits(self, request: Request, num_device_hits: int) -> list[KVBlock]:
-        """Host-tier blocks that continue a request's device hits (call after get_computed_blocks)."""
-        if self._tier is None or not self.enable_prefix_caching:
-            return []
-        return self._tier.lookup_hits(request, num_device_hits)
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -285,48 +235,6 @@ class KVCacheManager:
             self._num_registered[rid] = min(self._num_registered[rid], keep)
         request.num_computed_tokens = min(request.num_computed_tokens, keep * self.block_size)
         del request.block_hashes[keep:]
-
-    # ---- swapping (HostTier; without host memory nothing moves) --------------------------
-    def open_link(self, blocks: int) -> None:
-        """A step begins: its copies may move `blocks` blocks in all. Write-backs wait for
-        open_write_backs(), so that the swaps planned first take their share before them."""
-        self._link.open(blocks)
-
-    def open_write_backs(self, past_budget: bool = False) -> None:
-        """Cached device blocks evicted from now on are written back within what is left, or
-        also past it (stalling the step for the copy) with `past_budget`."""
-        self._link.write_backs_open = True
-        self._link.write_backs_past_budget = past_budget
-
-    def write_back_reuse_rate(self) -> float:
-        """Measured chance that a block written back to the host is read back (0 without a tier)."""
-        return self._tier.write_backs.reuse_rate() if self._tier is not None else 0.0
-
-    @property
-    def num_stalled_write_backs(self) -> int:
-        """Write-backs copied past the link budget so far (each stalled its step)."""
-        return self._tier.num_stalled_write_backs if self._tier is not None else 0
-
-    def swap_out_blocks(self, request: Request, max_blocks: int) -> Copies:
-        """Move up to max_blocks of the request's private device tail to the host; returns the
-        (device, host) copies (HostTier.swap_out)."""
-        return self._tier.swap_out(request, max_blocks) if self._tier is not None else []
-
-    def swap_in_blocks(self, request: Request, max_blocks: int) -> Copies:
-        """Bring host blocks back to the device, up to max_blocks copies; returns the (host,
-        device) copies (HostTier.swap_in)."""
-        return self._tier.swap_in(request, max_blocks) if self._tier is not None else []
-
-    def release_swapped_out(self) -> None:
-        """The previous step's copies are done (HostTier.release_swapped_out)."""
-        if self._tier is not None:
-            self._tier.release_swapped_out()
-
-    def take_back_ups(self) -> Copies:
-        """This step's write-back copies (device, host); the link budget ends with the step."""
-        out = self._tier.take_back_ups() if self._tier is not None else []
-        self._link.close()
-        return out
 
     # ---- retained contexts ---------------------------------------------------------------
     def retain(self, request: Request) -> RetainedContext | None:
