@@ -36,7 +36,7 @@ class MinWastePolicy(InterceptionPolicy):
                 # order of expected resume and written back to the host tier, so the next turn
                 # revives what is left, as a plain client's next request would. Real engine, CPU,
                 # pressure preset with sessions, seeds 1-3: swapped out eagerly, resumed turns
-                # waited for their swap-ins (3-13 preemptions a run, 15.5-17.4 s); held, newcomers
+                # waited for their swap-ins (3-13 preemptions a run, 15.5-17.1 s); held, newcomers
                 # waited for their memory (16.5 / 9.3 / 20.5 s); released, 13.6 / 8.8 / 14.2 s.
                 decisions[p.request.request_id] = Decision(Disposition.DISCARD)
                 continue
