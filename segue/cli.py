@@ -56,16 +56,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
     path = args.output or default_profile_path(cost.device)
     profiler.save_profile(path, cost, report)
     fit = report.fit
-    print("| step | tokens | context | seqs | measured (ms) | fit (ms) | error |\n|---|---:|---:|---:|---:|---:|---:|")
+    print("| step | tokens | context | attended pairs | seqs | measured (ms) | fit (ms) | error |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|")
     for p in report.points:
-        pred, ms = fit.predict_ms(p.batched_tokens, p.context_tokens), p.step_ms if args.timer == "wall" else p.cpu_ms
-        print(f"| {p.kind} | {p.batched_tokens} | {p.context_tokens} | {p.num_seqs} | {ms:.1f} | {pred:.1f} "
-              f"| {(pred - ms) / ms:+.0%} |")
+        pred = fit.predict_ms(p.batched_tokens, p.context_tokens, pairs=p.attended_pairs)
+        ms = p.step_ms if args.timer == "wall" else p.cpu_ms
+        print(f"| {p.kind} | {p.batched_tokens} | {p.context_tokens} | {p.attended_pairs} | {p.num_seqs} "
+              f"| {ms:.1f} | {pred:.1f} | {(pred - ms) / ms:+.0%} |")
     per_kind = "; ".join(f"{k} {r['mean_rel_error']:+.1%} (worst {r['max_abs_rel_error']:.0%})"
                          for k, r in fit.residuals.items())
     curve = ", ".join(f"{t:g}: {ms:.1f}" for t, ms in cost.fwd_curve_ms or [])
     line = report.line_fit
-    print(f"\nstep = f(tokens) + {cost.fwd_ms_per_context_token:.5f} ms * context tokens, f in ms at {{{curve}}} "
+    print(f"\nstep = f(tokens) + {cost.fwd_ms_per_context_token:.5f} ms * context tokens + "
+          f"{cost.fwd_ms_per_attended_pair * 1e6:.2f} ns * attended pairs, f in ms at {{{curve}}} "
           f"(R^2 {fit.r2:.3f}; mean |error| {fit.mean_abs_rel_error:.1%}; by kind: {per_kind})"
           f"\na line instead: {line.ms_per_token:.4f} ms * tokens + {line.base_ms:.1f} ms + "
           f"{line.ms_per_context_token:.5f} ms * context (mean |error| {line.mean_abs_rel_error:.1%})"

@@ -4,11 +4,12 @@ the saturation point, and the host<->device swap bandwidth. The engine loads the
 
 Steps are measured through the real engine (scheduler, paged KV executor, sampling, outputs), as
 whole `engine.step()` calls, because that is what a step costs a served request and what the
-simulator charges per step. Three kinds are measured: prefills of several sizes, decode batches of
-B sequences at context C, and mixed steps (a prompt joining a running decode batch). The model
-step_ms = f(tokens) + c·context, f piecewise linear over the measured token counts, is fitted to all
-of them jointly (segue/executor/step_fit); the straight line a·tokens + b is fitted beside it for
-the scheduler's marginal cost of a token.
+simulator charges per step. Four kinds are measured: prefills of several sizes, decode batches of
+B sequences at context C, mixed steps (a prompt joining a running decode batch), and chunks
+prefilled over a long cached prefix (an agent's next turn, a recomputed history). The model
+step_ms = f(tokens) + c·context + e·attended pairs, f piecewise linear over the measured token
+counts, is fitted to all of them jointly (segue/executor/step_fit); the straight line a·tokens + b
+is fitted beside it for the scheduler's marginal cost of a token.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from segue.engine import LLMEngine
 from segue.executor.step_fit import StepFit, StepPoint, fit_steps
 from segue.kv.manager import cdiv
 from segue.sampling_params import SamplingParams
-from segue.sched.cost_model import CostModel
+from segue.sched.cost_model import CostModel, attended_pairs
 from segue.sched.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -41,22 +42,28 @@ class ProfileGrid:
     decode_steps: int = 4                            # decode steps timed per group (median)
     mixed_prompt: int = 128                          # prompt that joins each running batch once; 0: none
     repeats: int = 3                                 # per prefill size (median)
+    # (cached prefix P, chunk N): an N-token prompt extension prefilled over a P-token prefix, to
+    # measure prefill attention's growth with context (points beyond the prefill sizes' contexts).
+    context_prefills: tuple[tuple[int, int], ...] = ()
 
 
 # CPU: a forward pass over the default model costs ~5 ms per prefill token on one loaded core, so
 # the grid keeps the prefill it needs to set up decode batches to ~7k tokens (B·C <= 2048) and
-# `segue profile` to about a minute; the batch prefills double as large prefill points.
+# `segue profile` to about a minute; the batch prefills double as large prefill points. The context
+# prefills reach the 4k contexts agents' histories have (their prefixes' own prefill steps are
+# points too).
 CPU_GRID = ProfileGrid(prefill_tokens=(16, 64, 256),
                        decode_groups=((1, 128), (2, 128), (4, 128), (8, 128), (16, 128), (32, 64),
                                       (1, 512), (4, 512), (1, 1024)),
-                       decode_steps=8)
+                       decode_steps=8, context_prefills=((1024, 512), (3072, 512), (3584, 256)))
 # CUDA: prefill is cheap, so the full B x C grid and more repeats.
 CUDA_GRID = ProfileGrid(prefill_tokens=(16, 64, 256, 1024, 2048),
                         decode_groups=tuple(itertools.product((1, 4, 16, 32, 64), (128, 512, 1024))),
-                        decode_steps=8, repeats=5)
+                        decode_steps=8, repeats=5,
+                        context_prefills=((2048, 1024), (6144, 1024), (14336, 2048)))
 # Tests: a tiny model, a few seconds.
 TINY_GRID = ProfileGrid(prefill_tokens=(8, 32), decode_groups=((1, 32), (4, 32), (2, 96)), decode_steps=3,
-                        mixed_prompt=16, repeats=2)
+                        mixed_prompt=16, repeats=2, context_prefills=((96, 16),))
 
 
 def default_grid(engine: LLMEngine) -> ProfileGrid:
@@ -93,6 +100,7 @@ class _Step:
     seqs: int
     ms: float
     cpu_ms: float
+    pairs: int
 
 
 @contextmanager
@@ -122,7 +130,8 @@ def _shape(out: SchedulerOutput, ms: float, cpu_ms: float) -> _Step:
     singles = sum(1 for s in out.seqs if s.num_tokens == 1)
     kind = "decode" if singles == len(out.seqs) else "prefill" if singles == 0 else "mixed"
     context = sum(s.start_pos + s.num_tokens for s in out.seqs)  # as SimExecutor and StepLog count it
-    return _Step(kind, out.num_batched_tokens, context, len(out.seqs), ms, cpu_ms)
+    pairs = sum(attended_pairs(s.start_pos, s.num_tokens) for s in out.seqs)
+    return _Step(kind, out.num_batched_tokens, context, len(out.seqs), ms, cpu_ms, pairs)
 
 
 class _Runner:
@@ -131,11 +140,12 @@ class _Runner:
         self.rng = rng
         self.vocab = engine.model_config.vocab_size
 
-    def add(self, tokens: int, max_tokens: int) -> None:
-        # Random ids (no prefix-cache hits), away from the special tokens at both ends.
-        prompt = [self.rng.randrange(self.vocab // 10, self.vocab - 10) for _ in range(tokens)]
+    def add(self, tokens: int, max_tokens: int, prefix: list[int] | None = None) -> list[int]:
+        # Random ids (no prefix-cache hits beyond `prefix`), away from the special tokens at both ends.
+        prompt = (prefix or []) + [self.rng.randrange(self.vocab // 10, self.vocab - 10) for _ in range(tokens)]
         self.engine.add_request(None, prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
                                                              ignore_eos=True))
+        return prompt
 
     def run(self, join_after_decodes: int = -1, join_tokens: int = 0) -> list[_Step]:
         """Step until every request finishes, timing each step; after `join_after_decodes` decode
@@ -162,7 +172,8 @@ def _point(steps: list[_Step]) -> StepPoint:
     return StepPoint(kind=steps[0].kind, batched_tokens=round(statistics.mean(s.tokens for s in steps)),
                      context_tokens=round(statistics.mean(s.context for s in steps)),
                      num_seqs=steps[0].seqs, step_ms=statistics.median(s.ms for s in steps), repeats=len(steps),
-                     cpu_ms=statistics.median(s.cpu_ms for s in steps))
+                     cpu_ms=statistics.median(s.cpu_ms for s in steps),
+                     attended_pairs=round(statistics.mean(s.pairs for s in steps)))
 
 
 def measure_steps(engine: LLMEngine, grid: ProfileGrid, seed: int = 0) -> tuple[list[StepPoint], list[str]]:
@@ -205,6 +216,16 @@ def measure_steps(engine: LLMEngine, grid: ProfileGrid, seed: int = 0) -> tuple[
         decodes = [s for s in steps if s.kind == "decode" and s.seqs == b]
         if decodes:
             points.append(_point(decodes))
+    for prefix, chunk in grid.context_prefills:
+        if prefix + chunk + 1 > limit or cdiv(prefix + chunk + 1, bs) * bs > pool:
+            skipped.append(f"context prefill {chunk} over {prefix}: over the context limit or the KV pool")
+            continue
+        # The prefix's own prefill steps are points too; the extension then runs over its cached
+        # blocks (over all of it again where prefix caching is off: still a measured shape).
+        cached = runner.add(prefix, 1)
+        points += [_point([s]) for s in runner.run()]
+        runner.add(chunk, 1, prefix=cached)
+        points += [_point([s]) for s in runner.run()]
     return points, skipped
 
 
@@ -253,10 +274,12 @@ def profile(engine: LLMEngine, repeats: int | None = None, seed: int = 0, grid: 
     fit, line = fit_steps(timed, curve=True), fit_steps(timed)
     report = ProfileReport(points, fit, line, fit_steps(timed, per_seq=True), time.perf_counter() - t0, skipped, timer)
     for p in timed:
-        logger.info("%s step: %d tokens, %d context, %d seqs: %.1f ms (fit %.1f)", p.kind, p.batched_tokens,
-                    p.context_tokens, p.num_seqs, p.step_ms, fit.predict_ms(p.batched_tokens, p.context_tokens))
+        logger.info("%s step: %d tokens, %d context, %d pairs, %d seqs: %.1f ms (fit %.1f)", p.kind,
+                    p.batched_tokens, p.context_tokens, p.attended_pairs, p.num_seqs, p.step_ms,
+                    fit.predict_ms(p.batched_tokens, p.context_tokens, pairs=p.attended_pairs))
     cost = CostModel(fwd_ms_per_token=max(line.ms_per_token, 1e-6), fwd_base_ms=line.base_ms, fwd_curve_ms=fit.curve,
-                     fwd_ms_per_context_token=fit.ms_per_context_token, saturation_tokens=_saturation(timed),
+                     fwd_ms_per_context_token=fit.ms_per_context_token,
+                     fwd_ms_per_attended_pair=fit.ms_per_attended_pair, saturation_tokens=_saturation(timed),
                      swap_bytes_per_s=_swap_bandwidth(engine), kv_bytes_per_token=engine.executor.kv_bytes_per_token,
                      device=engine.executor.device_name, source=f"profiled {time.strftime('%Y-%m-%d')} ({timer} time)")
     return cost, report

@@ -56,6 +56,43 @@ def test_superlinear_prefill_keeps_a_positive_intercept() -> None:
     assert abs(fit.residuals["decode"]["mean_rel_error"]) < 0.1
 
 
+def test_fit_separates_prefill_attention_from_context() -> None:
+    # Chunks over long prefixes (an agent's next turn) cost tokens x context in attention, which
+    # the context term cannot carry; the pair term recovers it beside the other coefficients.
+    from segue.sched.cost_model import attended_pairs
+
+    def ms(tokens: int, ctx: int, pairs: int) -> float:
+        return 2.0 * tokens + 50.0 + 0.01 * ctx + 1e-4 * pairs
+
+    points = [StepPoint(p.kind, p.batched_tokens, p.context_tokens, p.num_seqs, 0.0,
+                        attended_pairs=p.context_tokens if p.kind == "decode" else attended_pairs(0, p.batched_tokens))
+              for p in _synthetic(1.0, 1.0, 0.0) if p.kind != "mixed"]
+    points += [StepPoint("prefill", n, start + n, 1, 0.0, attended_pairs=attended_pairs(start, n))
+               for start, n in ((1024, 512), (3072, 512), (3584, 256))]
+    points = [StepPoint(p.kind, p.batched_tokens, p.context_tokens, p.num_seqs,
+                        ms(p.batched_tokens, p.context_tokens, p.attended_pairs), attended_pairs=p.attended_pairs)
+              for p in points]
+    fit = fit_steps(points)
+    assert fit.ms_per_attended_pair == pytest.approx(1e-4, rel=1e-6)
+    assert fit.ms_per_context_token == pytest.approx(0.01, rel=1e-6)
+    long_chunk = attended_pairs(3072, 512)
+    assert fit.predict_ms(512, 3584, pairs=long_chunk) == pytest.approx(ms(512, 3584, long_chunk))
+    # Without the pair term the same points leave the long chunks under-predicted.
+    flat = fit_steps([StepPoint(p.kind, p.batched_tokens, p.context_tokens, p.num_seqs, p.step_ms) for p in points])
+    assert flat.predict_ms(512, 3584) < 0.95 * ms(512, 3584, long_chunk)
+
+
+def test_attended_pairs_and_the_step_time_the_simulator_charges() -> None:
+    from segue.sched.cost_model import attended_pairs
+
+    assert attended_pairs(0, 1) == 1 and attended_pairs(99, 1) == 100  # a decode token sees its context
+    assert attended_pairs(0, 4) == 1 + 2 + 3 + 4
+    assert attended_pairs(10, 3) == 11 + 12 + 13
+    cost = CostModel(fwd_ms_per_token=1.0, fwd_base_ms=10.0, fwd_ms_per_context_token=0.01,
+                     fwd_ms_per_attended_pair=1e-4)
+    assert cost.t_step(100, 1000, 50_000) == pytest.approx((110.0 + 10.0 + 5.0) / 1000)
+
+
 def test_nnls_matches_unconstrained_when_feasible_and_clips_otherwise() -> None:
     rng = np.random.default_rng(1)
     x = rng.uniform(0, 1, size=(20, 3))
@@ -154,6 +191,10 @@ def test_tiny_profile_writes_a_loadable_profile(tiny_engine: LLMEngine, tmp_path
     assert "execute" not in vars(tiny_engine.executor)  # the timing wrapper is gone
     kinds = {p.kind for p in report.points}
     assert kinds == {"prefill", "decode", "mixed"}
+    # The context prefill: a 16-token chunk over the 96 cached tokens of its prefix.
+    assert any(p.batched_tokens == 16 and p.context_tokens == 112 and p.attended_pairs == 16 * 96 + 136
+               for p in report.points)
+    assert cost.fwd_ms_per_attended_pair >= 0
     decodes = [p for p in report.points if p.kind == "decode"]
     assert {p.num_seqs for p in decodes} == {1, 4, 2}
     assert all(p.batched_tokens == p.num_seqs for p in decodes)
@@ -171,9 +212,9 @@ def test_tiny_profile_writes_a_loadable_profile(tiny_engine: LLMEngine, tmp_path
 
 def test_profile_skips_what_the_engine_cannot_hold(tiny_engine: LLMEngine) -> None:
     grid = profiler.ProfileGrid(prefill_tokens=(8, 100000), decode_groups=((2, 16), (4096, 16), (1, 100000)),
-                                decode_steps=2, mixed_prompt=0, repeats=1)
+                                decode_steps=2, mixed_prompt=0, repeats=1, context_prefills=((100000, 16),))
     points, skipped = profiler.measure_steps(tiny_engine, grid)
-    assert len(skipped) == 3
+    assert len(skipped) == 4
     assert {p.kind for p in points} == {"prefill", "decode"}
 
 

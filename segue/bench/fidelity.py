@@ -68,8 +68,8 @@ def step_diagnosis(log: Any, cost: Any) -> list[dict[str, Any]]:
         a = log.arrays(prefill)
         if not len(a["step_s"]):
             continue
-        predicted = [cost.t_fwd(b) + cost.fwd_ms_per_context_token * c / 1000
-                     for b, c in zip(a["batched_tokens"], a["context_tokens"], strict=True)]
+        predicted = [cost.t_step(b, c, pairs)
+                     for b, c, pairs in zip(a["batched_tokens"], a["context_tokens"], a["attended_pairs"], strict=True)]
         rows.append({"steps": label, "count": int(len(a["step_s"])),
                      "mean_batched_tokens": float(a["batched_tokens"].mean()),
                      "mean_context_tokens": float(a["context_tokens"].mean()),

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from segue.sched.cost_model import attended_pairs
+
 
 @dataclass(frozen=True)
 class StepSample:
@@ -21,6 +23,7 @@ class StepSample:
     prefill: bool  # some sequence fed more than one token
     execute_s: float
     step_s: float
+    attended_pairs: int = 0  # (query, key) pairs, summed over the batch (cost_model.attended_pairs)
 
 
 @dataclass
@@ -30,14 +33,15 @@ class StepLog:
     def attach(self, engine: Any) -> None:
         executor, step = engine.executor, engine.step
         execute = executor.execute
-        pending: list[tuple[int, int, int, bool, float]] = []
+        pending: list[tuple[int, int, int, bool, float, int]] = []
 
         def timed_execute(out: Any) -> Any:
             t0 = time.perf_counter()
             result = execute(out)
             context = sum(s.start_pos + s.num_tokens for s in out.seqs)
+            pairs = sum(attended_pairs(s.start_pos, s.num_tokens) for s in out.seqs)
             pending.append((out.num_batched_tokens, context, len(out.seqs),
-                            any(s.num_tokens > 1 for s in out.seqs), time.perf_counter() - t0))
+                            any(s.num_tokens > 1 for s in out.seqs), time.perf_counter() - t0, pairs))
             return result
 
         def timed_step() -> Any:
@@ -45,7 +49,9 @@ class StepLog:
             t0 = time.perf_counter()
             outputs = step()
             if pending:
-                self.samples.append(StepSample(*pending[-1], step_s=time.perf_counter() - t0))
+                tokens, context, seqs, prefill, execute_s, pairs = pending[-1]
+                self.samples.append(StepSample(tokens, context, seqs, prefill, execute_s,
+                                               step_s=time.perf_counter() - t0, attended_pairs=pairs))
             return outputs
 
         executor.execute = timed_execute
@@ -54,7 +60,8 @@ class StepLog:
     def arrays(self, prefill: bool | None = None) -> dict[str, np.ndarray]:
         kept = [s for s in self.samples if prefill is None or s.prefill == prefill]
         return {name: np.array([getattr(s, name) for s in kept], dtype=float)
-                for name in ("batched_tokens", "context_tokens", "num_seqs", "execute_s", "step_s")}
+                for name in ("batched_tokens", "context_tokens", "attended_pairs", "num_seqs", "execute_s",
+                             "step_s")}
 
     def fit(self) -> tuple[float, float, float]:
         """Least squares step_s ≈ a·batched + b + c·context, in (ms/token, ms, ms/context token),

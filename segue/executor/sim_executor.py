@@ -7,7 +7,7 @@ from typing import Any
 
 from segue.executor.base import Executor, SampledToken
 from segue.model.config import ModelConfig
-from segue.sched.cost_model import CostModel
+from segue.sched.cost_model import CostModel, attended_pairs
 from segue.sched.output import SchedulerOutput
 
 # An ordinary id in the middle of any vocabulary: never EOS, never a special token.
@@ -64,7 +64,8 @@ class SimExecutor(Executor):
             return stall, stall
         stall = self.cost.t_swap(max(0, copied - self.cost.swap_limit(batch)))
         context = sum(s.start_pos + s.num_tokens for s in out.seqs)
-        compute = self.cost.t_fwd(batch) + self.cost.fwd_ms_per_context_token * context / 1000.0
+        pairs = sum(attended_pairs(s.start_pos, s.num_tokens) for s in out.seqs)
+        compute = self.cost.t_step(batch, context, pairs)
         return compute + stall, stall
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:

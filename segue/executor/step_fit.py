@@ -1,5 +1,7 @@
-"""Fit the step-time model the simulator charges, step_ms = a·tokens + b + c·context_tokens (or a
-curve f(tokens) in place of a·tokens + b, below), to measured steps, every coefficient non-negative.
+"""Fit the step-time model the simulator charges, step_ms = a·tokens + b + c·context_tokens +
+e·attended_pairs (or a curve f(tokens) in place of a·tokens + b, below), to measured steps, every
+coefficient non-negative. The pair term is prefill attention, which grows with a chunk's tokens
+times its context (CostModel.fwd_ms_per_attended_pair); points without it (0) leave e at 0.
 
 Why not `np.polyfit(tokens, ms)` over prefill steps: prefill time grows faster than linearly
 (attention is quadratic in the chunk), so a straight line through 1..1024-token prefills has a
@@ -41,6 +43,7 @@ class StepPoint:
     step_ms: float       # median whole-step time (engine.step: schedule, forward, sample, outputs)
     repeats: int = 1
     cpu_ms: float = 0.0  # median process CPU time of the step: wall/cpu shows how loaded the machine was
+    attended_pairs: int = 0  # (query, key) pairs, summed over the batch (cost_model.attended_pairs)
 
 
 @dataclass
@@ -54,10 +57,11 @@ class StepFit:
     residuals: dict[str, dict[str, float]] = field(default_factory=dict)  # per kind of step
     # With curve=True: [[tokens, ms], ...] at zero context, which replaces a·tokens + b.
     curve: list[list[float]] | None = None
+    ms_per_attended_pair: float = 0.0
 
-    def predict_ms(self, tokens: float, context: float, seqs: float = 0.0) -> float:
+    def predict_ms(self, tokens: float, context: float, seqs: float = 0.0, pairs: float = 0.0) -> float:
         own = interpolate_curve(self.curve, tokens) if self.curve else self.ms_per_token * tokens + self.base_ms
-        return own + self.ms_per_context_token * context + self.ms_per_seq * seqs
+        return own + self.ms_per_context_token * context + self.ms_per_attended_pair * pairs + self.ms_per_seq * seqs
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,11 +90,12 @@ def _ramps(tokens: float, knots: list[int]) -> list[float]:
 
 
 def _design(points: list[StepPoint], per_seq: bool, knots: list[int] | None) -> tuple[np.ndarray, np.ndarray]:
-    """Columns: a·tokens, b, c·context[, d·seqs]; with knots, f(k0) and one rise per segment
-    take the place of a·tokens and b."""
+    """Columns: a·tokens, b, c·context, e·pairs[, d·seqs]; with knots, f(k0) and one rise per
+    segment take the place of a·tokens and b."""
     def own(p: StepPoint) -> list[float]:
         return [1.0] + _ramps(p.batched_tokens, knots) if knots else [p.batched_tokens, 1.0]
-    x = np.array([own(p) + [p.context_tokens] + [p.num_seqs] * per_seq for p in points], dtype=float)
+    x = np.array([own(p) + [p.context_tokens, p.attended_pairs] + [p.num_seqs] * per_seq for p in points],
+                 dtype=float)
     y = np.array([p.step_ms for p in points], dtype=float)
     return x, y
 
@@ -102,7 +107,7 @@ def fit_steps(points: list[StepPoint], per_seq: bool = False, curve: bool = Fals
     module doc) instead of a·tokens + b; a and b are then the slope of f's last segment and f at its
     first knot."""
     knots = curve_knots([p.batched_tokens for p in points]) if curve and points else None
-    ncoef = (len(knots) if knots else 2) + 1 + per_seq
+    ncoef = (len(knots) if knots else 2) + 2 + per_seq
     if len(points) < ncoef:
         raise ValueError(f"need at least {ncoef} step measurements to fit {ncoef} coefficients, got {len(points)}")
     x, y = _design(points, per_seq, knots)
@@ -125,8 +130,9 @@ def fit_steps(points: list[StepPoint], per_seq: bool = False, curve: bool = Fals
                            "max_abs_rel_error": float(np.abs(rel[idx]).max())}
     own = 2 if knots is None else len(knots)
     fit = StepFit(ms_per_token=float(w[0]), base_ms=float(w[1]), ms_per_context_token=float(w[own]),
-                  ms_per_seq=float(w[own + 1]) if per_seq else 0.0, r2=r2,
-                  mean_abs_rel_error=float(np.abs(rel).mean()), residuals=residuals)
+                  ms_per_seq=float(w[own + 2]) if per_seq else 0.0, r2=r2,
+                  mean_abs_rel_error=float(np.abs(rel).mean()), residuals=residuals,
+                  ms_per_attended_pair=float(w[own + 1]))
     if knots:
         levels = np.cumsum(w[:own])  # f at each knot: f(k0), then one rise per segment
         fit.curve = [[float(k), float(v)] for k, v in zip(knots, levels, strict=True)]

@@ -9,6 +9,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
+def attended_pairs(start_pos: int, num_tokens: int) -> int:
+    """(query, key) pairs a sequence's chunk of `num_tokens` new tokens at position `start_pos`
+    attends (causal: the i-th new token sees start_pos + i keys)."""
+    return num_tokens * start_pos + num_tokens * (num_tokens + 1) // 2
+
+
 def interpolate_curve(curve: list[list[float]], tokens: float) -> float:
     """A piecewise-linear [[tokens, ms], ...] curve (ascending tokens) at `tokens`: flat below its
     first point, extended with its last segment's slope beyond its last point."""
@@ -32,6 +38,12 @@ class CostModel:
     # Attention reads every context token's KV each step; this is its cost per context token
     # (used by the simulator's step time; the scheduler's decisions use T_fwd(tokens)).
     fwd_ms_per_context_token: float = 0.0
+    # Prefill attention compares each new token with every earlier one, so a chunk's attention
+    # grows with tokens x context, which the context term cannot carry: a 2,048-token chunk over a
+    # 3,000-token history attends ~8M (query, key) pairs over 5,000 context tokens. This is the
+    # cost of one pair beyond what the context term charges (a decode token's pairs are its
+    # context, so for decodes the two terms add up).
+    fwd_ms_per_attended_pair: float = 0.0
     # Tokens per step beyond which an iteration gets slower without getting more useful work done.
     saturation_tokens: int = 256
     # Host<->device copy bandwidth and the KV footprint of one token (all layers, K and V).
@@ -45,6 +57,13 @@ class CostModel:
         if self.fwd_curve_ms:
             return interpolate_curve(self.fwd_curve_ms, max(tokens, 0.0)) / 1000.0
         return (self.fwd_ms_per_token * max(tokens, 0.0) + self.fwd_base_ms) / 1000.0
+
+    def t_step(self, tokens: float, context_tokens: float, attended_pairs: float) -> float:
+        """Seconds for a step of `tokens` batched tokens attending over `context_tokens` KV
+        positions (summed over the batch) in `attended_pairs` (query, key) pairs: what the
+        simulator charges a step."""
+        return self.t_fwd(tokens) + (self.fwd_ms_per_context_token * context_tokens
+                                     + self.fwd_ms_per_attended_pair * attended_pairs) / 1000.0
 
     def t_fwd_extra(self, tokens: float) -> float:
         """Added iteration time when `tokens` more tokens join a step that runs anyway."""
@@ -100,6 +119,7 @@ def mean_cost_model(a: CostModel, b: CostModel, source: str) -> CostModel:
     return CostModel(fwd_ms_per_token=(a.fwd_ms_per_token + b.fwd_ms_per_token) / 2,
                      fwd_base_ms=(a.fwd_base_ms + b.fwd_base_ms) / 2, fwd_curve_ms=curve,
                      fwd_ms_per_context_token=(a.fwd_ms_per_context_token + b.fwd_ms_per_context_token) / 2,
+                     fwd_ms_per_attended_pair=(a.fwd_ms_per_attended_pair + b.fwd_ms_per_attended_pair) / 2,
                      saturation_tokens=a.saturation_tokens,
                      swap_bytes_per_s=(a.swap_bytes_per_s + b.swap_bytes_per_s) / 2,
                      kv_bytes_per_token=a.kv_bytes_per_token, device=a.device, source=source)
