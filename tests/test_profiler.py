@@ -91,6 +91,13 @@ def test_attended_pairs_and_the_step_time_the_simulator_charges() -> None:
     cost = CostModel(fwd_ms_per_token=1.0, fwd_base_ms=10.0, fwd_ms_per_context_token=0.01,
                      fwd_ms_per_attended_pair=1e-4)
     assert cost.t_step(100, 1000, 50_000) == pytest.approx((110.0 + 10.0 + 5.0) / 1000)
+    # Recompute is priced with its attention: the marginal token cost plus the pairs it attends.
+    assert cost.t_prefill(100, 1000) == pytest.approx((100.0 + 1e-4 * attended_pairs(1000, 100)) / 1000)
+    flat = CostModel(fwd_ms_per_token=1.0, fwd_base_ms=10.0, fwd_ms_per_context_token=0.01)
+    assert flat.t_prefill(100, 1000) == flat.t_fwd_extra(100)
+    # So discarding a long context costs more than its tokens alone say, and more so the longer it is.
+    extra = [cost.waste_chunked_discard(c, 500, 2) / flat.waste_chunked_discard(c, 500, 2) for c in (256, 4096)]
+    assert 1.0 < extra[0] < extra[1]
 
 
 def test_nnls_matches_unconstrained_when_feasible_and_clips_otherwise() -> None:

@@ -196,7 +196,7 @@ class AgentTracker:
         blocks = context.num_private_blocks()
         due = agent.expected_back
         wait = due - now if due >= now else now - due
-        recompute_s = self.cost.t_fwd_extra(context.num_blocks * self.kv.block_size)
+        recompute_s = self.cost.t_prefill(context.num_blocks * self.kv.block_size)
         return blocks * max(wait, 1e-3) / max(recompute_s, 1e-9)
 
     def _let_go(self, agent: AgentState) -> int:

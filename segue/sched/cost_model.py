@@ -69,6 +69,14 @@ class CostModel:
         """Added iteration time when `tokens` more tokens join a step that runs anyway."""
         return self.fwd_ms_per_token * max(tokens, 0.0) / 1000.0
 
+    def t_prefill(self, tokens: float, start_pos: float = 0.0) -> float:
+        """Added time to prefill `tokens` tokens after `start_pos` cached ones in steps that run
+        anyway: their marginal cost plus their attention. What recomputing a context costs: on
+        the profiled CPU a 4,096-token history's attention is over 40 % of its recompute."""
+        t = max(tokens, 0.0)
+        pairs = t * max(start_pos, 0.0) + t * (t + 1) / 2
+        return self.t_fwd_extra(t) + self.fwd_ms_per_attended_pair * pairs / 1000.0
+
     def t_swap(self, tokens: float) -> float:
         return tokens * self.kv_bytes_per_token / self.swap_bytes_per_s
 
@@ -88,12 +96,15 @@ class CostModel:
         return duration_s * context_tokens * self.kv_bytes_per_token
 
     def waste_chunked_discard(self, context_tokens: int, other_tokens: int, running_tokens: int) -> float:
-        """Recompute the context in chunks of (saturation - running) tokens, one per iteration."""
+        """Recompute the context in chunks of (saturation - running) tokens, one per iteration;
+        the others wait for each chunk's marginal cost and for the context's attention."""
         m = self.kv_bytes_per_token
         chunk = max(1, self.saturation_tokens - running_tokens)
         n = max(1, math.ceil(context_tokens / chunk))
-        own = self.t_fwd_extra(context_tokens) * context_tokens * m / 2
-        others = n * self.t_fwd_extra(context_tokens / n) * other_tokens * m
+        recompute = self.t_prefill(context_tokens)
+        own = recompute * context_tokens * m / 2
+        attention = recompute - self.t_fwd_extra(context_tokens)
+        others = (n * self.t_fwd_extra(context_tokens / n) + attention) * other_tokens * m
         return own + others
 
     # ---- persistence ---------------------------------------------------------------------

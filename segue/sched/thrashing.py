@@ -65,7 +65,7 @@ def _past_bound(sched: SchedulerState, req: Request, shortfall: int) -> bool:
     agents = sched.agents
     assert agents is not None
     tokens = max(0, shortfall) * sched.kv.block_size
-    bound = min(agents.gaps.quantile(0.9), sched.cost.t_fwd_extra(tokens))
+    bound = min(agents.gaps.quantile(0.9), sched.cost.t_prefill(tokens))
     return sched.now - req.arrival_time >= bound
 
 

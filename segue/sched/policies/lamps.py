@@ -150,7 +150,7 @@ class LAMPSPolicy(SchedulingPolicy):
         cost, m = self.context.cost, self.context.cost.kv_bytes_per_token
         c = request.num_tokens
         pending = max(0, c - request.num_computed_tokens)
-        prefill = cost.t_fwd_extra(pending) * (request.num_computed_tokens + pending / 2)
+        prefill = cost.t_prefill(pending, request.num_computed_tokens) * (request.num_computed_tokens + pending / 2)
         r = remaining_tokens
         return (prefill + self.step_s() * (r * c + r * (r + 1) / 2)) * m
 
