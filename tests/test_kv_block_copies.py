@@ -1,0 +1,58 @@
+"""The physical KV cache's block copies on CPU: slice copies per run of consecutive blocks move
+exactly what the index path moves (swaps, swap-ins, write-backs)."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from segue.model.kv_cache import KVCache, block_runs
+
+
+def test_block_runs_coalesce_consecutive_pairs_in_order() -> None:
+    assert block_runs([]) == []
+    assert block_runs([(3, 10), (4, 11), (5, 12), (9, 13), (10, 20), (11, 21)]) == [(3, 10, 3), (9, 13, 1), (10, 20, 2)]
+    # Only consecutive on both sides joins, and only in the order given.
+    assert block_runs([(1, 1), (2, 3), (3, 4), (2, 2)]) == [(1, 1, 1), (2, 3, 2), (2, 2, 1)]
+
+
+def _cache() -> KVCache:
+    torch.manual_seed(0)
+    cache = KVCache(num_layers=3, num_kv_heads=2, head_dim=4, block_size=2, num_blocks=12, num_host_blocks=16,
+                    device=torch.device("cpu"), dtype=torch.bfloat16)
+    for t in (cache.k, cache.v, cache.host_k, cache.host_v):
+        t.copy_(torch.randn(t.shape))
+    return cache
+
+
+def _expected(dst: torch.Tensor, src: torch.Tensor, mapping: list[tuple[int, int]]) -> torch.Tensor:
+    out = dst.clone()
+    src_ids, dst_ids = torch.tensor([s for s, _ in mapping]), torch.tensor([d for _, d in mapping])
+    out.index_copy_(2, dst_ids, src.index_select(2, src_ids))
+    return out
+
+
+def test_swaps_and_write_backs_move_exactly_the_mapped_blocks() -> None:
+    rng = random.Random(1)
+    for _ in range(20):
+        cache = _cache()
+        n = rng.randint(1, 10)
+        # Mixed runs: some consecutive on both sides, some scattered.
+        device_ids = sorted(rng.sample(range(12), n)) if rng.random() < 0.5 else rng.sample(range(12), n)
+        host_ids = list(range(3, 3 + n)) if rng.random() < 0.5 else rng.sample(range(16), n)
+        out_map = list(zip(device_ids, host_ids, strict=True))
+        want_k, want_v = _expected(cache.host_k, cache.k, out_map), _expected(cache.host_v, cache.v, out_map)
+        (cache.swap_out if rng.random() < 0.5 else cache.back_up)(out_map)
+        assert torch.equal(cache.host_k, want_k) and torch.equal(cache.host_v, want_v)
+        in_map = [(h, d) for d, h in out_map]
+        cache.k.zero_()
+        want_k = _expected(cache.k, cache.host_k, in_map)
+        cache.swap_in(in_map)
+        assert torch.equal(cache.k, want_k)
+
+
+def test_background_swaps_complete_on_wait() -> None:
+    cache = _cache()
+    want = _expected(cache.k, cache.host_k, [(0, 5), (1, 6), (7, 2)])
+    cache.start_swaps([(0, 5), (1, 6), (7, 2)], []).wait()
+    assert torch.equal(cache.k, want)
