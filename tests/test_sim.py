@@ -27,10 +27,11 @@ def compute(batch: int, context: int) -> float:
     return GPTJ.t_fwd(batch) + GPTJ.fwd_ms_per_context_token * context / 1000
 
 
-def _out(tokens: list[int], swap_in: int = 0, swap_out: int = 0) -> SchedulerOutput:
+def _out(tokens: list[int], swap_in: int = 0, swap_out: int = 0, back_up: int = 0) -> SchedulerOutput:
     seqs = [ScheduledSeq(Request(f"s{i}", [1] * n, SamplingParams(), 0.0), [1] * n, 0, [], sample=i % 2 == 0)
             for i, n in enumerate(tokens)]
-    return SchedulerOutput(seqs, [(i, i) for i in range(swap_in)], [(i, i) for i in range(swap_out)])
+    return SchedulerOutput(seqs, [(i, i) for i in range(swap_in)], [(i, i) for i in range(swap_out)],
+                           [(i, i) for i in range(back_up)])
 
 
 def test_clock_moves_forward_only():
@@ -69,6 +70,17 @@ def test_swap_within_the_limit_is_free_and_beyond_it_stalls():
     excess = (limit_blocks + 10) * bs - GPTJ.swap_limit(batch)
     assert ex.last_swap_seconds == pytest.approx(GPTJ.t_swap(excess), abs=1e-12) and excess > 0
     assert clock() == pytest.approx(compute(batch, batch) + GPTJ.t_swap(excess), abs=1e-12)
+
+
+def test_write_backs_always_stall() -> None:
+    # The executor copies them before the step, synchronously: no compute hides them, even
+    # within the link budget that hides swaps.
+    clock = SimClock()
+    ex = SimExecutor(GPTJ, 100, 100, 16, clock)
+    ex.execute(_out([200], swap_in=1, back_up=2))
+    assert GPTJ.swap_limit(200) > 3 * 16
+    assert ex.last_swap_seconds == pytest.approx(GPTJ.t_swap(32), abs=1e-12)
+    assert clock() == pytest.approx(compute(200, 200) + GPTJ.t_swap(32), abs=1e-12)
 
 
 def test_copies_without_compute_are_all_stall():

@@ -53,16 +53,18 @@ class SimExecutor(Executor):
         self.busy_seconds = 0.0
 
     def step_seconds(self, out: SchedulerOutput) -> tuple[float, float]:
-        """(step time, swap stall) of one batch. Copies up to swap_limit(batch) tokens overlap with
+        """(step time, swap stall) of one batch. Swaps up to swap_limit(batch) tokens overlap with
         the forward pass (InferCept's pipelined swap); only the excess stalls the step. A step with
         copies but no sequences has no compute to hide behind, so all its copying is stall."""
         batch = out.num_batched_tokens
-        blocks = len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out) + len(out.blocks_to_back_up)
-        copied = blocks * self.block_size
+        # Write-backs run before the step, synchronously (ModelExecutor.execute: the step's own
+        # writes may overwrite the blocks they read), so they never hide behind compute.
+        backed_up = len(out.blocks_to_back_up) * self.block_size
+        copied = (len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)) * self.block_size
         if not out.seqs:
-            stall = self.cost.t_swap(copied)
+            stall = self.cost.t_swap(copied + backed_up)
             return stall, stall
-        stall = self.cost.t_swap(max(0, copied - self.cost.swap_limit(batch)))
+        stall = self.cost.t_swap(backed_up + max(0, copied - self.cost.swap_limit(batch)))
         context = sum(s.start_pos + s.num_tokens for s in out.seqs)
         pairs = sum(attended_pairs(s.start_pos, s.num_tokens) for s in out.seqs)
         compute = self.cost.t_step(batch, context, pairs)
