@@ -47,14 +47,15 @@ class ProfileGrid:
     context_prefills: tuple[tuple[int, int], ...] = ()
 
 
-# CPU: a forward pass over the default model costs ~5 ms per prefill token on one loaded core, so
-# the grid keeps the prefill it needs to set up decode batches to ~7k tokens (B·C <= 2048) and
-# `segue profile` to about a minute; the batch prefills double as large prefill points. The context
-# prefills reach the 4k contexts agents' histories have (their prefixes' own prefill steps are
-# points too).
+# CPU: the grid keeps the prefill it needs to set up decode batches to ~30k tokens and `segue
+# profile` to about half a minute; the batch prefills double as large prefill points. Decode
+# batches reach 8k tokens of context (a pool's worth: with 2.2k at most, the per-context-token
+# cost was extrapolated 4x and came out 0.0013-0.0021 ms from one profile to the next); the
+# context prefills reach the 4k contexts agents' histories have (their prefixes' own prefill
+# steps are points too).
 CPU_GRID = ProfileGrid(prefill_tokens=(16, 64, 256),
                        decode_groups=((1, 128), (2, 128), (4, 128), (8, 128), (16, 128), (32, 64),
-                                      (1, 512), (4, 512), (1, 1024)),
+                                      (1, 512), (4, 512), (1, 1024), (4, 2048), (8, 1024), (2, 3584)),
                        decode_steps=8, context_prefills=((1024, 512), (3072, 512), (3584, 256)))
 # CUDA: prefill is cheap, so the full B x C grid and more repeats.
 CUDA_GRID = ProfileGrid(prefill_tokens=(16, 64, 256, 1024, 2048),
