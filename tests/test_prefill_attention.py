@@ -164,3 +164,27 @@ def test_decode_and_rope_kernels_reject_wrong_calls():
     with pytest.raises(RuntimeError, match="outside the cache"):
         KERNELS.rope_and_cache(qkv.clone(), torch.tensor([0, 1, 2]), cos, sin, kc, vc, torch.tensor([0, 1, 128]),
                                nh, kvh)
+
+
+@pytest.mark.parametrize("order", ["shuffled", "reversed", "consecutive"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_over_any_block_order(order, cache_dtype):
+    """The decode kernel visits a sequence's blocks in the order of their ids, not the table's: the
+    result must not depend on how the pool laid the table out (partial last blocks included)."""
+    lens = [1, 1, 1]
+    ctx = [300, 17, 129]
+    kvh, group, bs, num_blocks = 3, 3, 16, 64
+    g = torch.Generator().manual_seed(3)
+    kc = torch.randn(kvh, num_blocks, bs, HD, generator=g).to(cache_dtype)
+    vc = torch.randn(kvh, num_blocks, bs, HD, generator=g).to(cache_dtype)
+    need = [(c + bs - 1) // bs for c in ctx]
+    ids = {"shuffled": torch.randperm(num_blocks, generator=g).tolist(), "reversed": list(range(num_blocks))[::-1],
+           "consecutive": list(range(num_blocks))}[order]
+    tables, used = [], 0
+    for n in need:
+        tables.append(ids[used:used + n] + [0] * (max(need) - n))
+        used += n
+    q = torch.randn(len(lens), kvh * group, HD, generator=g)
+    out = KERNELS.paged_decode_attention(q, kc, vc, torch.tensor(tables), torch.tensor(ctx), HD ** -0.5)
+    want = reference(q, kc, vc, [0, 1, 2, 3], [c - 1 for c in ctx], tables, HD ** -0.5)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)

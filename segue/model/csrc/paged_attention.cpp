@@ -103,13 +103,20 @@ inline void load64(const c10::BFloat16* p, __m256* r) {  // bf16 is the top half
     r[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(u + i)), 16));
 }
 
-// Calls fn(row, pos) for each of a sequence's first ctx cached 64-wide rows of one head, walking
-// its block table.
+// Calls fn(row, pos) for each of a sequence's first ctx cached 64-wide rows of one head. Blocks
+// are visited in the order of their ids (`order`: the table's indices sorted by block id), not
+// the table's: attention does not depend on the order positions are visited in, and the CPU's
+// prefetchers stream memory read in ascending order only. A busy pool evicts a finished table
+// tail first, so the blocks it hands the next sequence often run backwards: 4 sequences x 2,000
+// tokens, 30 layers, read in
+// table order took 20 ms over reversed or pairwise-swapped consecutive blocks against 7.6 ms
+// in order; in id order all three take 8 ms. (A fully shuffled table still takes 20 ms.)
 template <typename T, typename Fn>
-inline void for_each_row(const T* cache, const int64_t* table, int64_t ctx, int64_t head_base,
-                         int64_t block_size, Fn&& fn) {
-  for (int64_t pos0 = 0; pos0 < ctx; pos0 += block_size) {
-    const T* block = cache + head_base + table[pos0 / block_size] * block_size * 64;
+inline void for_each_row(const T* cache, const int64_t* table, const std::vector<int64_t>& order, int64_t ctx,
+                         int64_t head_base, int64_t block_size, Fn&& fn) {
+  for (const int64_t b : order) {
+    const int64_t pos0 = b * block_size;
+    const T* block = cache + head_base + table[b] * block_size * 64;
     const int64_t n = std::min(block_size, ctx - pos0);
     for (int64_t i = 0; i < n; ++i) fn(block + i * 64, pos0 + i);
   }
@@ -122,7 +129,10 @@ void attend64(const float* qs, const T* kp, const T* vp, const int64_t* table, i
               std::vector<float>& scores) {
   scores.resize(group * ctx);
   const int64_t head_base = h * num_blocks * block_size * 64;
-  for_each_row(kp, table, ctx, head_base, block_size, [&](const T* kr, int64_t pos) {
+  std::vector<int64_t> order((ctx + block_size - 1) / block_size);
+  for (int64_t b = 0; b < static_cast<int64_t>(order.size()); ++b) order[b] = b;
+  std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return table[x] < table[y]; });
+  for_each_row(kp, table, order, ctx, head_base, block_size, [&](const T* kr, int64_t pos) {
     __m256 k[8];
     load64(kr, k);
     for (int64_t g = 0; g < group; ++g) {
@@ -156,7 +166,7 @@ void attend64(const float* qs, const T* kp, const T* vp, const int64_t* table, i
     __m256 acc[8];
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
     const float* s = scores.data() + g * ctx;
-    for_each_row(vp, table, ctx, head_base, block_size, [&](const T* vr, int64_t pos) {
+    for_each_row(vp, table, order, ctx, head_base, block_size, [&](const T* vr, int64_t pos) {
       __m256 v[8];
       load64(vr, v);
       const __m256 p = _mm256_set1_ps(s[pos]);
