@@ -29,7 +29,7 @@ from segue.engine import LLMEngine
 from segue.executor.step_fit import StepFit, StepPoint, fit_steps
 from segue.kv.manager import cdiv
 from segue.sampling_params import SamplingParams
-from segue.sched.cost_model import CostModel, attended_pairs
+from segue.sched.cost_model import CostModel
 from segue.sched.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -130,9 +130,8 @@ def _recording(engine: LLMEngine) -> Iterator[list[SchedulerOutput]]:
 def _shape(out: SchedulerOutput, ms: float, cpu_ms: float) -> _Step:
     singles = sum(1 for s in out.seqs if s.num_tokens == 1)
     kind = "decode" if singles == len(out.seqs) else "prefill" if singles == 0 else "mixed"
-    context = sum(s.start_pos + s.num_tokens for s in out.seqs)  # as SimExecutor and StepLog count it
-    pairs = sum(attended_pairs(s.start_pos, s.num_tokens) for s in out.seqs)
-    return _Step(kind, out.num_batched_tokens, context, len(out.seqs), ms, cpu_ms, pairs)
+    return _Step(kind, out.num_batched_tokens, out.num_context_tokens, len(out.seqs), ms, cpu_ms,
+                 out.num_attended_pairs)
 
 
 class _Runner:

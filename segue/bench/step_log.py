@@ -12,8 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from segue.sched.cost_model import attended_pairs
-
 
 @dataclass(frozen=True)
 class StepSample:
@@ -38,10 +36,9 @@ class StepLog:
         def timed_execute(out: Any) -> Any:
             t0 = time.perf_counter()
             result = execute(out)
-            context = sum(s.start_pos + s.num_tokens for s in out.seqs)
-            pairs = sum(attended_pairs(s.start_pos, s.num_tokens) for s in out.seqs)
-            pending.append((out.num_batched_tokens, context, len(out.seqs),
-                            any(s.num_tokens > 1 for s in out.seqs), time.perf_counter() - t0, pairs))
+            pending.append((out.num_batched_tokens, out.num_context_tokens, len(out.seqs),
+                            any(s.num_tokens > 1 for s in out.seqs), time.perf_counter() - t0,
+                            out.num_attended_pairs))
             return result
 
         def timed_step() -> Any:

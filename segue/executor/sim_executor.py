@@ -7,7 +7,7 @@ from typing import Any
 
 from segue.executor.base import Executor, SampledToken
 from segue.model.config import ModelConfig
-from segue.sched.cost_model import CostModel, attended_pairs
+from segue.sched.cost_model import CostModel
 from segue.sched.output import SchedulerOutput
 
 # An ordinary id in the middle of any vocabulary: never EOS, never a special token.
@@ -65,9 +65,7 @@ class SimExecutor(Executor):
             stall = self.cost.t_swap(copied + backed_up)
             return stall, stall
         stall = self.cost.t_swap(backed_up + max(0, copied - self.cost.swap_limit(batch)))
-        context = sum(s.start_pos + s.num_tokens for s in out.seqs)
-        pairs = sum(attended_pairs(s.start_pos, s.num_tokens) for s in out.seqs)
-        compute = self.cost.t_step(batch, context, pairs)
+        compute = self.cost.t_step(batch, out.num_context_tokens, out.num_attended_pairs)
         return compute + stall, stall
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:

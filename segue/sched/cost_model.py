@@ -69,13 +69,12 @@ class CostModel:
         """Added iteration time when `tokens` more tokens join a step that runs anyway."""
         return self.fwd_ms_per_token * max(tokens, 0.0) / 1000.0
 
-    def t_prefill(self, tokens: float, start_pos: float = 0.0) -> float:
+    def t_prefill(self, tokens: int, start_pos: int = 0) -> float:
         """Added time to prefill `tokens` tokens after `start_pos` cached ones in steps that run
         anyway: their marginal cost plus their attention. What recomputing a context costs: on
         the profiled CPU a 4,096-token history's attention is over 40 % of its recompute."""
-        t = max(tokens, 0.0)
-        pairs = t * max(start_pos, 0.0) + t * (t + 1) / 2
-        return self.t_fwd_extra(t) + self.fwd_ms_per_attended_pair * pairs / 1000.0
+        t = max(tokens, 0)
+        return self.t_fwd_extra(t) + self.fwd_ms_per_attended_pair * attended_pairs(max(start_pos, 0), t) / 1000.0
 
     def t_swap(self, tokens: float) -> float:
         return tokens * self.kv_bytes_per_token / self.swap_bytes_per_s

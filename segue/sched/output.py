@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from segue.request import Request
+from segue.sched.cost_model import attended_pairs
 
 
 @dataclass
@@ -37,6 +38,17 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def num_context_tokens(self) -> int:
+        """KV positions the step attends over, summed over its sequences (the step-cost model's
+        context term: segue/sched/cost_model.py)."""
+        return sum(s.start_pos + s.num_tokens for s in self.seqs)
+
+    @property
+    def num_attended_pairs(self) -> int:
+        """(query, key) pairs the step attends, summed over its sequences (the pair term)."""
+        return sum(attended_pairs(s.start_pos, s.num_tokens) for s in self.seqs)
 
     @property
     def is_empty(self) -> bool:
