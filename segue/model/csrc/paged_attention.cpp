@@ -122,16 +122,14 @@ inline void for_each_row(const T* cache, const int64_t* table, const std::vector
   }
 }
 
-// Same contract as attend_one<T, 64>, but writes the normalized output to acc_out.
+// Same contract as attend_one<T, 64>, but writes the normalized output to acc_out; `order` is
+// the sequence's block_order.
 template <typename T>
-void attend64(const float* qs, const T* kp, const T* vp, const int64_t* table, int64_t ctx, int64_t h,
-              int64_t group, int64_t num_blocks, int64_t block_size, float scale, float* acc_out,
-              std::vector<float>& scores) {
+void attend64(const float* qs, const T* kp, const T* vp, const int64_t* table, const std::vector<int64_t>& order,
+              int64_t ctx, int64_t h, int64_t group, int64_t num_blocks, int64_t block_size, float scale,
+              float* acc_out, std::vector<float>& scores) {
   scores.resize(group * ctx);
   const int64_t head_base = h * num_blocks * block_size * 64;
-  std::vector<int64_t> order((ctx + block_size - 1) / block_size);
-  for (int64_t b = 0; b < static_cast<int64_t>(order.size()); ++b) order[b] = b;
-  std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return table[x] < table[y]; });
   for_each_row(kp, table, order, ctx, head_base, block_size, [&](const T* kr, int64_t pos) {
     __m256 k[8];
     load64(kr, k);
@@ -180,6 +178,15 @@ void attend64(const float* qs, const T* kp, const T* vp, const int64_t* table, i
 }  // namespace avx2
 #endif
 
+// The indices of a sequence's first ctx / block_size table entries, sorted by block id: the order
+// for_each_row visits them in. Shared by the sequence's KV heads.
+static std::vector<int64_t> block_order(const int64_t* table, int64_t ctx, int64_t block_size) {
+  std::vector<int64_t> order((ctx + block_size - 1) / block_size);
+  for (int64_t b = 0; b < static_cast<int64_t>(order.size()); ++b) order[b] = b;
+  std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return table[x] < table[y]; });
+  return order;
+}
+
 // T: the queries' and output's dtype; C: the cache's (bf16 under fp32 queries halves the bytes read).
 template <typename T, typename C>
 static void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -195,6 +202,9 @@ static void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k
   const int64_t* cl = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
 
+  // Once per sequence, not per (sequence, KV head) item.
+  std::vector<std::vector<int64_t>> orders(n);
+  for (int64_t s = 0; s < n; ++s) orders[s] = block_order(bt + s * max_blocks, cl[s], block_size);
   // Plain OpenMP rather than at::parallel_for: the latter runs serially in extensions built
   // without torch's own OpenMP setup (measured: no speedup from a second thread).
 #pragma omp parallel if (n * kv_heads > 1)
@@ -210,7 +220,8 @@ static void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k
 #ifdef __AVX2__
       if constexpr (std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>) {
         if (dim == 64) {
-          avx2::attend64<C>(qf.data(), kp, vp, table, cl[s], h, group, num_blocks, block_size, scale, acc.data(), scores);
+          avx2::attend64<C>(qf.data(), kp, vp, table, orders[s], cl[s], h, group, num_blocks, block_size, scale,
+                            acc.data(), scores);
           T* os = op + (s * heads + h * group) * dim;
           for (int64_t i = 0; i < group * dim; ++i) os[i] = static_cast<T>(acc[i]);
           continue;
