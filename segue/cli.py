@@ -80,6 +80,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(f"with a per-sequence term the fit would be {d.ms_per_token:.4f} ms * tokens + {d.base_ms:.1f} ms + "
           f"{d.ms_per_context_token:.5f} ms * context + {d.ms_per_seq:.2f} ms * seqs: mean |error| "
           f"{d.mean_abs_rel_error:.1%} (the CostModel has no such term)")
+    if report.scatter:
+        print(report.scatter.describe())
     for why in report.skipped:
         print(f"skipped {why}")
     return 0

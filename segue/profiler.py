@@ -28,6 +28,7 @@ from typing import Any
 from segue.engine import LLMEngine
 from segue.executor.step_fit import StepFit, StepPoint, fit_steps
 from segue.kv.manager import cdiv
+from segue.profiler_scatter import ScatterProfile, measure_scatter
 from segue.sampling_params import SamplingParams
 from segue.sched.cost_model import CostModel
 from segue.sched.output import SchedulerOutput
@@ -81,6 +82,7 @@ class ProfileReport:
     seconds: float                                   # wall time of the measurements
     skipped: list[str] = field(default_factory=list)  # grid entries this engine cannot run, and why
     timer: str = "wall"                               # which step time the fit is of: wall or cpu
+    scatter: ScatterProfile | None = None             # decode over scattered blocks (profiler_scatter)
 
     def to_dict(self) -> dict[str, Any]:
         # Wall over CPU time of one-thread steps: ~1 on an idle machine, more when others load it
@@ -90,7 +92,8 @@ class ProfileReport:
         return {"fit": self.fit.to_dict(), "line_fit": self.line_fit.to_dict(),
                 "per_seq_fit": self.per_seq_fit.to_dict(),
                 "points": [asdict(p) for p in self.points], "wall_over_cpu_median": load,
-                "timer": self.timer, "profile_seconds": self.seconds, "skipped": self.skipped}
+                "timer": self.timer, "profile_seconds": self.seconds, "skipped": self.skipped,
+                "scatter_step_ms": self.scatter.step_ms if self.scatter else None}
 
 
 @dataclass(frozen=True)
@@ -277,7 +280,9 @@ def profile(engine: LLMEngine, repeats: int | None = None, seed: int = 0, grid: 
     points, skipped = measure_steps(engine, grid, seed)
     timed = points if timer == "wall" else [replace(p, step_ms=p.cpu_ms) for p in points]
     fit, line = fit_steps(timed, curve=True), fit_steps(timed)
-    report = ProfileReport(points, fit, line, fit_steps(timed, per_seq=True), time.perf_counter() - t0, skipped, timer)
+    scatter = measure_scatter(engine, seed=seed)
+    report = ProfileReport(points, fit, line, fit_steps(timed, per_seq=True), time.perf_counter() - t0, skipped, timer,
+                           scatter)
     for p in timed:
         logger.info("%s step: %d tokens, %d context, %d pairs, %d seqs: %.1f ms (fit %.1f)", p.kind,
                     p.batched_tokens, p.context_tokens, p.attended_pairs, p.num_seqs, p.step_ms,
@@ -285,6 +290,8 @@ def profile(engine: LLMEngine, repeats: int | None = None, seed: int = 0, grid: 
     cost = CostModel(fwd_ms_per_token=max(line.ms_per_token, 1e-6), fwd_base_ms=line.base_ms, fwd_curve_ms=fit.curve,
                      fwd_ms_per_context_token=fit.ms_per_context_token,
                      fwd_ms_per_attended_pair=fit.ms_per_attended_pair, saturation_tokens=_saturation(timed),
+                     fwd_ms_per_scattered_block=scatter.ms_per_scattered_block if scatter else 0.0,
+                     prefetch_warmup_blocks=scatter.warmup_blocks if scatter else 0,
                      swap_bytes_per_s=_swap_bandwidth(engine), kv_bytes_per_token=engine.executor.kv_bytes_per_token,
                      device=engine.executor.device_name, source=f"profiled {time.strftime('%Y-%m-%d')} ({timer} time)")
     return cost, report

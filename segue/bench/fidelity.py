@@ -68,8 +68,9 @@ def step_diagnosis(log: Any, cost: Any) -> list[dict[str, Any]]:
         a = log.arrays(prefill)
         if not len(a["step_s"]):
             continue
-        predicted = [cost.t_step(b, c, pairs)
-                     for b, c, pairs in zip(a["batched_tokens"], a["context_tokens"], a["attended_pairs"], strict=True)]
+        predicted = [cost.t_step(b, c, pairs, cold) for b, c, pairs, cold in
+                     zip(a["batched_tokens"], a["context_tokens"], a["attended_pairs"], a["scattered_blocks"],
+                         strict=True)]
         rows.append({"steps": label, "count": int(len(a["step_s"])),
                      "mean_batched_tokens": float(a["batched_tokens"].mean()),
                      "mean_context_tokens": float(a["context_tokens"].mean()),
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
             arrivals = arrivals_for(spec, rate)
             engine = engine_for(copy.deepcopy(config))
             log = StepLog()
-            log.attach(engine)
+            log.attach(engine, cost.prefetch_warmup_blocks)
             real = replay(engine, requests, arrivals, real_clock_wait, seed=args.seed, progress=not args.no_progress,
                           desc=f"real @ {rate:g} req/s", deadline_s=args.deadline_s)
             per_token, base_ms, per_ctx = log.fit()

@@ -22,23 +22,25 @@ class StepSample:
     execute_s: float
     step_s: float
     attended_pairs: int = 0  # (query, key) pairs, summed over the batch (cost_model.attended_pairs)
+    scattered_blocks: int = 0  # blocks its decodes read cold (SchedulerOutput.num_scattered_blocks)
 
 
 @dataclass
 class StepLog:
     samples: list[StepSample] = field(default_factory=list)
 
-    def attach(self, engine: Any) -> None:
+    def attach(self, engine: Any, warmup_blocks: int = 0) -> None:
+        """`warmup_blocks`: the cost model's prefetch_warmup_blocks, to count scattered blocks by."""
         executor, step = engine.executor, engine.step
         execute = executor.execute
-        pending: list[tuple[int, int, int, bool, float, int]] = []
+        pending: list[tuple[int, int, int, bool, float, int, int]] = []
 
         def timed_execute(out: Any) -> Any:
             t0 = time.perf_counter()
             result = execute(out)
             pending.append((out.num_batched_tokens, out.num_context_tokens, len(out.seqs),
                             any(s.num_tokens > 1 for s in out.seqs), time.perf_counter() - t0,
-                            out.num_attended_pairs))
+                            out.num_attended_pairs, out.num_scattered_blocks(executor.block_size, warmup_blocks)))
             return result
 
         def timed_step() -> Any:
@@ -46,9 +48,10 @@ class StepLog:
             t0 = time.perf_counter()
             outputs = step()
             if pending:
-                tokens, context, seqs, prefill, execute_s, pairs = pending[-1]
+                tokens, context, seqs, prefill, execute_s, pairs, scattered = pending[-1]
                 self.samples.append(StepSample(tokens, context, seqs, prefill, execute_s,
-                                               step_s=time.perf_counter() - t0, attended_pairs=pairs))
+                                               step_s=time.perf_counter() - t0, attended_pairs=pairs,
+                                               scattered_blocks=scattered))
             return outputs
 
         executor.execute = timed_execute
@@ -57,8 +60,8 @@ class StepLog:
     def arrays(self, prefill: bool | None = None) -> dict[str, np.ndarray]:
         kept = [s for s in self.samples if prefill is None or s.prefill == prefill]
         return {name: np.array([getattr(s, name) for s in kept], dtype=float)
-                for name in ("batched_tokens", "context_tokens", "attended_pairs", "num_seqs", "execute_s",
-                             "step_s")}
+                for name in ("batched_tokens", "context_tokens", "attended_pairs", "scattered_blocks", "num_seqs",
+                             "execute_s", "step_s")}
 
     def fit(self) -> tuple[float, float, float]:
         """Least squares step_s ≈ a·batched + b + c·context, in (ms/token, ms, ms/context token),

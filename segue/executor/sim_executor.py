@@ -65,7 +65,8 @@ class SimExecutor(Executor):
             stall = self.cost.t_swap(copied + backed_up)
             return stall, stall
         stall = self.cost.t_swap(backed_up + max(0, copied - self.cost.swap_limit(batch)))
-        compute = self.cost.t_step(batch, out.num_context_tokens, out.num_attended_pairs)
+        scattered = out.num_scattered_blocks(self.block_size, self.cost.prefetch_warmup_blocks)
+        compute = self.cost.t_step(batch, out.num_context_tokens, out.num_attended_pairs, scattered)
         return compute + stall, stall
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from segue.request import Request
-from segue.sched.cost_model import attended_pairs
+from segue.sched.cost_model import attended_pairs, scattered_blocks
 
 
 @dataclass
@@ -49,6 +49,16 @@ class SchedulerOutput:
     def num_attended_pairs(self) -> int:
         """(query, key) pairs the step attends, summed over its sequences (the pair term)."""
         return sum(attended_pairs(s.start_pos, s.num_tokens) for s in self.seqs)
+
+    def num_scattered_blocks(self, block_size: int, warmup_blocks: int) -> int:
+        """Blocks the step's decodes read away from the prefetchers (the scattered-block term).
+        Prefills are left out: a chunk's keys are read once per tile of queries, from the caches
+        after the first (on the profiled CPU a 512-token chunk over a 3,500-token history took 3 %
+        longer over a shuffled table)."""
+        if warmup_blocks <= 0:
+            return 0
+        return sum(scattered_blocks(s.block_table[:-(-(s.start_pos + 1) // block_size)], warmup_blocks)
+                   for s in self.seqs if s.num_tokens == 1)
 
     @property
     def is_empty(self) -> bool:
