@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from segue.kv.manager import cdiv
 from segue.request import Request
 from segue.sched.cost_model import attended_pairs, scattered_blocks
 
@@ -57,7 +58,7 @@ class SchedulerOutput:
         longer over a shuffled table)."""
         if warmup_blocks <= 0:
             return 0
-        return sum(scattered_blocks(s.block_table[:-(-(s.start_pos + 1) // block_size)], warmup_blocks)
+        return sum(scattered_blocks(s.block_table[:cdiv(s.start_pos + 1, block_size)], warmup_blocks)
                    for s in self.seqs if s.num_tokens == 1)
 
     @property
