@@ -293,6 +293,7 @@ def profile(engine: LLMEngine, repeats: int | None = None, seed: int = 0, grid: 
                      fwd_ms_per_scattered_block=scatter.ms_per_scattered_block if scatter else 0.0,
                      prefetch_warmup_blocks=scatter.warmup_blocks if scatter else 0,
                      swap_bytes_per_s=_swap_bandwidth(engine), kv_bytes_per_token=engine.executor.kv_bytes_per_token,
+                     swaps_overlap_compute=getattr(getattr(engine.executor, "device", None), "type", "cpu") == "cuda",
                      device=engine.executor.device_name, source=f"profiled {time.strftime('%Y-%m-%d')} ({timer} time)")
     return cost, report
 

@@ -51,8 +51,11 @@ def test_swaps_and_write_backs_move_exactly_the_mapped_blocks() -> None:
         assert torch.equal(cache.k, want_k)
 
 
-def test_background_swaps_complete_on_wait() -> None:
+def test_cpu_swaps_are_done_before_the_forward_pass() -> None:
+    # A CPU copies before the forward pass, not beside it (KVCache.start_swaps): done on return.
     cache = _cache()
     want = _expected(cache.k, cache.host_k, [(0, 5), (1, 6), (7, 2)])
-    cache.start_swaps([(0, 5), (1, 6), (7, 2)], []).wait()
+    handle = cache.start_swaps([(0, 5), (1, 6), (7, 2)], [])
+    assert torch.equal(cache.k, want)
+    handle.wait()
     assert torch.equal(cache.k, want)

@@ -1,6 +1,7 @@
 """The simulator: virtual-clock step costs, and trace replay through the real scheduler on it."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -70,6 +71,16 @@ def test_swap_within_the_limit_is_free_and_beyond_it_stalls():
     excess = (limit_blocks + 10) * bs - GPTJ.swap_limit(batch)
     assert ex.last_swap_seconds == pytest.approx(GPTJ.t_swap(excess), abs=1e-12) and excess > 0
     assert clock() == pytest.approx(compute(batch, batch) + GPTJ.t_swap(excess), abs=1e-12)
+
+
+def test_a_cpu_profile_stalls_for_every_swap() -> None:
+    # A CPU copies before the forward pass (KVCache.start_swaps), so nothing hides behind it.
+    cpu = dataclasses.replace(GPTJ, swaps_overlap_compute=False)
+    clock = SimClock()
+    ex = SimExecutor(cpu, 100, 100, 16, clock)
+    ex.execute(_out([200], swap_in=1, swap_out=2))
+    assert ex.last_swap_seconds == pytest.approx(cpu.t_swap(3 * 16), abs=1e-12)
+    assert clock() == pytest.approx(compute(200, 200) + cpu.t_swap(3 * 16), abs=1e-12)
 
 
 def test_write_backs_always_stall() -> None:

@@ -134,18 +134,18 @@ class ModelExecutor(Executor):
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         hidden_for, self._hidden_for = self._hidden_for, frozenset()
         # Write-backs read blocks that this step's swap-ins and forward pass overwrite: they go
-        # first, synchronously, and count as stall.
+        # first, synchronously, and count as stall; so do a CPU's swaps (KVCache.start_swaps).
         t0 = time.perf_counter()
         self.kv_cache.back_up(out.blocks_to_back_up)
-        back_up_s = time.perf_counter() - t0
         swaps = self.kv_cache.start_swaps(out.blocks_to_swap_in, out.blocks_to_swap_out)
+        before_s = time.perf_counter() - t0
         try:
             return self._run(out, hidden_for)
         finally:
             # Whatever the copies still need after the forward is a stall (swap waste).
             t0 = time.perf_counter()
             swaps.wait()
-            self.last_swap_seconds = time.perf_counter() - t0 + back_up_s
+            self.last_swap_seconds = time.perf_counter() - t0 + before_s
 
     def _run(self, out: SchedulerOutput, hidden_for: frozenset[str] = frozenset()) -> dict[str, SampledToken]:
         if not out.seqs:

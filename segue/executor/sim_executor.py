@@ -54,8 +54,9 @@ class SimExecutor(Executor):
 
     def step_seconds(self, out: SchedulerOutput) -> tuple[float, float]:
         """(step time, swap stall) of one batch. Swaps up to swap_limit(batch) tokens overlap with
-        the forward pass (InferCept's pipelined swap); only the excess stalls the step. A step with
-        copies but no sequences has no compute to hide behind, so all its copying is stall."""
+        the forward pass (InferCept's pipelined swap) where the device has a copy engine; only the
+        excess stalls the step. A CPU's swaps, and a step with copies but no sequences, have no
+        compute to hide behind, so all their copying is stall."""
         batch = out.num_batched_tokens
         # Write-backs run before the step, synchronously (ModelExecutor.execute: the step's own
         # writes may overwrite the blocks they read), so they never hide behind compute.
@@ -64,7 +65,8 @@ class SimExecutor(Executor):
         if not out.seqs:
             stall = self.cost.t_swap(copied + backed_up)
             return stall, stall
-        stall = self.cost.t_swap(backed_up + max(0, copied - self.cost.swap_limit(batch)))
+        hidden = self.cost.swap_limit(batch) if self.cost.swaps_overlap_compute else 0
+        stall = self.cost.t_swap(backed_up + max(0, copied - hidden))
         scattered = out.num_scattered_blocks(self.block_size, self.cost.prefetch_warmup_blocks)
         compute = self.cost.t_step(batch, out.num_context_tokens, out.num_attended_pairs, scattered)
         return compute + stall, stall

@@ -76,6 +76,9 @@ class CostModel:
     saturation_tokens: int = 256
     # Host<->device copy bandwidth and the KV footprint of one token (all layers, K and V).
     swap_bytes_per_s: float = 8e9
+    # Whether swaps run beside the forward pass (a GPU's copy engine) or stall the step (a CPU
+    # copies before it: segue/model/kv_cache.py, KVCache.start_swaps).
+    swaps_overlap_compute: bool = True
     kv_bytes_per_token: int = 46080
     device: str = "cpu"
     source: str = "default"
@@ -164,7 +167,8 @@ def mean_cost_model(a: CostModel, b: CostModel, source: str) -> CostModel:
                      prefetch_warmup_blocks=a.prefetch_warmup_blocks,
                      saturation_tokens=a.saturation_tokens,
                      swap_bytes_per_s=(a.swap_bytes_per_s + b.swap_bytes_per_s) / 2,
-                     kv_bytes_per_token=a.kv_bytes_per_token, device=a.device, source=source)
+                     swaps_overlap_compute=a.swaps_overlap_compute, kv_bytes_per_token=a.kv_bytes_per_token,
+                     device=a.device, source=source)
 
 
 def _preset(ms_per_token: float, base_ms: float, saturation: int, tokens_swapped_per_step: int,
