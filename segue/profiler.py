@@ -68,9 +68,12 @@ TINY_GRID = ProfileGrid(prefill_tokens=(8, 32), decode_groups=((1, 32), (4, 32),
                         mixed_prompt=16, repeats=2, context_prefills=((96, 16),))
 
 
+def _on_cuda(engine: LLMEngine) -> bool:
+    return getattr(getattr(engine.executor, "device", None), "type", "cpu") == "cuda"
+
+
 def default_grid(engine: LLMEngine) -> ProfileGrid:
-    device = getattr(engine.executor, "device", None)
-    return CUDA_GRID if getattr(device, "type", "cpu") == "cuda" else CPU_GRID
+    return CUDA_GRID if _on_cuda(engine) else CPU_GRID
 
 
 @dataclass
@@ -293,7 +296,7 @@ def profile(engine: LLMEngine, repeats: int | None = None, seed: int = 0, grid: 
                      fwd_ms_per_scattered_block=scatter.ms_per_scattered_block if scatter else 0.0,
                      prefetch_warmup_blocks=scatter.warmup_blocks if scatter else 0,
                      swap_bytes_per_s=_swap_bandwidth(engine), kv_bytes_per_token=engine.executor.kv_bytes_per_token,
-                     swaps_overlap_compute=getattr(getattr(engine.executor, "device", None), "type", "cpu") == "cuda",
+                     swaps_overlap_compute=_on_cuda(engine),
                      device=engine.executor.device_name, source=f"profiled {time.strftime('%Y-%m-%d')} ({timer} time)")
     return cost, report
 

@@ -86,8 +86,12 @@ def measure_scatter(engine: LLMEngine, seqs: int = 4, context: int = 2048, repea
     def cold(name: str, warmup: int) -> int:
         return sum(scattered_blocks(t, warmup) for t in layouts[name])
 
-    # The shuffled layout prices a cold block given the warm-up; the runs pick the warm-up.
+    # The shuffled layout prices a cold block given the warm-up; the runs pick the warm-up. (A
+    # warm-up that leaves no shuffled block cold cannot be priced: a sample that dense is not a
+    # scattered table.)
     runs = f"runs of {RUN}"
-    warmup = min(range(1, RUN + 1),
-                 key=lambda w: abs(extra["shuffled"] / cold("shuffled", w) * cold(runs, w) - extra[runs]))
+    priced = [w for w in range(1, RUN + 1) if cold("shuffled", w) > 0]
+    if not priced:
+        return ScatterProfile(0.0, 0, ms)
+    warmup = min(priced, key=lambda w: abs(extra["shuffled"] / cold("shuffled", w) * cold(runs, w) - extra[runs]))
     return ScatterProfile(extra["shuffled"] / cold("shuffled", warmup), warmup, ms)

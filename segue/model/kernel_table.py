@@ -33,8 +33,9 @@ logger = logging.getLogger(__name__)
 # Row counts timed: decode batches up to the large-batch regime, then prefill chunks. Agents'
 # decode batches are mostly 1-4 sequences (tools hold the rest), and a quantized kernel's lead
 # shrinks with every row, so 2 and 4 are timed too: with 1 and 8 alone, int4 layers won at 1 row
-# and lost by 4 % at 8 on an AMD EPYC (avx512_bf16), so every batch of 2-8 ran the bf16 GEMM,
-# 0.33 ms a layer at 2 rows where int4 takes 0.20.
+# and tied the bf16 GEMM at 8 on an AMD EPYC (avx512_bf16: 0.46 against 0.457 ms), so whether
+# batches of 2-8 ran int4 was a coin flip, and bf16 takes 0.361 ms a layer at 2 rows where int4
+# takes 0.175.
 ROWS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048)
 # The LM head only runs the rows that sample (one per sequence), never a whole prefill chunk.
 HEAD_ROWS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
