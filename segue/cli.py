@@ -82,6 +82,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
           f"{d.mean_abs_rel_error:.1%} (the CostModel has no such term)")
     if report.scatter:
         print(report.scatter.describe())
+    if report.overlap:
+        print(report.overlap.describe())
     for why in report.skipped:
         print(f"skipped {why}")
     return 0

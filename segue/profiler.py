@@ -28,6 +28,7 @@ from typing import Any
 from segue.engine import LLMEngine
 from segue.executor.step_fit import StepFit, StepPoint, fit_steps
 from segue.kv.manager import cdiv
+from segue.profiler_overlap import OverlapProfile, measure_swap_overlap
 from segue.profiler_scatter import ScatterProfile, measure_scatter
 from segue.sampling_params import SamplingParams
 from segue.sched.cost_model import CostModel
@@ -86,6 +87,7 @@ class ProfileReport:
     skipped: list[str] = field(default_factory=list)  # grid entries this engine cannot run, and why
     timer: str = "wall"                               # which step time the fit is of: wall or cpu
     scatter: ScatterProfile | None = None             # decode over scattered blocks (profiler_scatter)
+    overlap: OverlapProfile | None = None             # a decode beside a copy (profiler_overlap)
 
     def to_dict(self) -> dict[str, Any]:
         # Wall over CPU time of one-thread steps: ~1 on an idle machine, more when others load it
@@ -96,7 +98,8 @@ class ProfileReport:
                 "per_seq_fit": self.per_seq_fit.to_dict(),
                 "points": [asdict(p) for p in self.points], "wall_over_cpu_median": load,
                 "timer": self.timer, "profile_seconds": self.seconds, "skipped": self.skipped,
-                "scatter_step_ms": self.scatter.step_ms if self.scatter else None}
+                "scatter_step_ms": self.scatter.step_ms if self.scatter else None,
+                "overlap": asdict(self.overlap) if self.overlap else None}
 
 
 @dataclass(frozen=True)
@@ -284,8 +287,9 @@ def profile(engine: LLMEngine, repeats: int | None = None, seed: int = 0, grid: 
     timed = points if timer == "wall" else [replace(p, step_ms=p.cpu_ms) for p in points]
     fit, line = fit_steps(timed, curve=True), fit_steps(timed)
     scatter = measure_scatter(engine, seed=seed)
+    overlap = measure_swap_overlap(engine, seed=seed)
     report = ProfileReport(points, fit, line, fit_steps(timed, per_seq=True), time.perf_counter() - t0, skipped, timer,
-                           scatter)
+                           scatter, overlap)
     for p in timed:
         logger.info("%s step: %d tokens, %d context, %d pairs, %d seqs: %.1f ms (fit %.1f)", p.kind,
                     p.batched_tokens, p.context_tokens, p.attended_pairs, p.num_seqs, p.step_ms,
@@ -297,6 +301,8 @@ def profile(engine: LLMEngine, repeats: int | None = None, seed: int = 0, grid: 
                      prefetch_warmup_blocks=scatter.warmup_blocks if scatter else 0,
                      swap_bytes_per_s=_swap_bandwidth(engine), kv_bytes_per_token=engine.executor.kv_bytes_per_token,
                      swaps_overlap_compute=_on_cuda(engine),
+                     swap_compute_slowdown=overlap.slowdown if overlap else 1.0,
+                     swap_bytes_per_s_beside_compute=overlap.copy_bytes_per_s_beside if overlap else 0.0,
                      device=engine.executor.device_name, source=f"profiled {time.strftime('%Y-%m-%d')} ({timer} time)")
     return cost, report
 

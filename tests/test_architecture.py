@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("client", ("segue.engine_stats", "segue.engine_client")),
     ("engine", ("segue.engine", "segue.engine_hooks", "segue.engine_outputs", "segue.engine_reports",
                 "segue.engine_request_factory", "segue.engine_requests", "segue.engine_scheduler",
-                "segue.profiler", "segue.profiler_scatter")),
+                "segue.profiler", "segue.profiler_scatter", "segue.profiler_overlap")),
     ("async", ("segue.async_engine", "segue.async_engine_streams", "segue.async_engine_thread", "segue.llm")),
     ("cluster", ("segue.cluster",)),
     ("program", ("segue.program",)),

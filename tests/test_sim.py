@@ -68,9 +68,33 @@ def test_swap_within_the_limit_is_free_and_beyond_it_stalls():
     clock = SimClock()
     ex = SimExecutor(GPTJ, 100, 100, bs, clock)
     ex.execute(_out([batch], swap_out=limit_blocks + 10))
-    excess = (limit_blocks + 10) * bs - GPTJ.swap_limit(batch)
-    assert ex.last_swap_seconds == pytest.approx(GPTJ.t_swap(excess), abs=1e-12) and excess > 0
-    assert clock() == pytest.approx(compute(batch, batch) + GPTJ.t_swap(excess), abs=1e-12)
+    # The copy outlasts the forward pass: the step ends when the copy does.
+    copy_s = GPTJ.t_swap((limit_blocks + 10) * bs)
+    assert ex.last_swap_seconds == pytest.approx(copy_s - compute(batch, batch), abs=1e-12)
+    assert ex.last_swap_seconds > 0 and clock() == pytest.approx(copy_s, abs=1e-12)
+
+
+def test_a_copy_that_slows_the_forward_charges_its_slowdown() -> None:
+    # A thread copying beside a CPU's forward pass (profiler_overlap): the forward runs 2x slower
+    # while the copy, at a quarter of the link's speed, lasts; what outlasts the forward stalls.
+    slow = dataclasses.replace(GPTJ, swap_compute_slowdown=2.0,
+                               swap_bytes_per_s_beside_compute=GPTJ.swap_bytes_per_s / 4)
+    step = compute(200, 200)
+    # Blocks: an eighth of what the link copies in one step.
+    short = int(step * slow.swap_bytes_per_s / slow.kv_bytes_per_token / 16 / 8)
+    clock = SimClock()
+    ex = SimExecutor(slow, 100, 10**4, 16, clock)
+    ex.execute(_out([200], swap_out=short))
+    copy_s = 4 * slow.t_swap(short * 16)
+    assert copy_s < step and ex.last_swap_seconds == 0.0
+    assert clock() == pytest.approx(step + copy_s / 2, abs=1e-12)
+
+    clock = SimClock()
+    ex = SimExecutor(slow, 100, 10**4, 16, clock)
+    ex.execute(_out([200], swap_out=short * 8))
+    left = slow.t_swap(short * 8 * 16) - 2 * step / 4  # the copy's part left after the 2x-long forward
+    assert ex.last_swap_seconds == pytest.approx(left, abs=1e-12) and left > 0
+    assert clock() == pytest.approx(2 * step + left, abs=1e-12)
 
 
 def test_a_cpu_profile_stalls_for_every_swap() -> None:

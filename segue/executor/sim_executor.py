@@ -53,23 +53,25 @@ class SimExecutor(Executor):
         self.busy_seconds = 0.0
 
     def step_seconds(self, out: SchedulerOutput) -> tuple[float, float]:
-        """(step time, swap stall) of one batch. Swaps up to swap_limit(batch) tokens overlap with
-        the forward pass (InferCept's pipelined swap) where the device has a copy engine; only the
-        excess stalls the step. A CPU's swaps, and a step with copies but no sequences, have no
-        compute to hide behind, so all their copying is stall."""
-        batch = out.num_batched_tokens
+        """(step time, swap stall) of one batch. Where the device has a copy engine, swaps run
+        beside the forward pass (InferCept's pipelined swap) and only what outlasts it stalls the
+        step; a copy that slows the forward (CostModel.overlapped_step) charges that too. A CPU's
+        swaps, and a step with copies but no sequences, have no compute to hide behind, so all
+        their copying is stall."""
         # Write-backs run before the step, synchronously (ModelExecutor.execute: the step's own
         # writes may overwrite the blocks they read), so they never hide behind compute.
-        backed_up = len(out.blocks_to_back_up) * self.block_size
+        backed_up = self.cost.t_swap(len(out.blocks_to_back_up) * self.block_size)
         copied = (len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)) * self.block_size
         if not out.seqs:
-            stall = self.cost.t_swap(copied + backed_up)
+            stall = backed_up + self.cost.t_swap(copied)
             return stall, stall
-        hidden = self.cost.swap_limit(batch) if self.cost.swaps_overlap_compute else 0
-        stall = self.cost.t_swap(backed_up + max(0, copied - hidden))
         scattered = out.num_scattered_blocks(self.block_size, self.cost.prefetch_warmup_blocks)
-        compute = self.cost.t_step(batch, out.num_context_tokens, out.num_attended_pairs, scattered)
-        return compute + stall, stall
+        compute = self.cost.t_step(out.num_batched_tokens, out.num_context_tokens, out.num_attended_pairs, scattered)
+        if not self.cost.swaps_overlap_compute:
+            stall = backed_up + self.cost.t_swap(copied)
+            return compute + stall, stall
+        step, stall = self.cost.overlapped_step(compute, copied) if copied else (compute, 0.0)
+        return step + backed_up, stall + backed_up
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         dt, stall = self.step_seconds(out)

@@ -79,6 +79,12 @@ class CostModel:
     # Whether swaps run beside the forward pass (a GPU's copy engine) or stall the step (a CPU
     # copies before it: segue/model/kv_cache.py, KVCache.start_swaps).
     swaps_overlap_compute: bool = True
+    # What a copy beside the forward pass costs (segue/profiler_overlap.py): the forward runs this
+    # many times slower while it copies, and the copy moves this many bytes per second (0: at
+    # swap_bytes_per_s). A copy engine costs nothing; a CPU thread copying beside a 2-core
+    # forward slowed it 1.6x and copied at ~1.2 GB/s, a tenth of a copy before it.
+    swap_compute_slowdown: float = 1.0
+    swap_bytes_per_s_beside_compute: float = 0.0
     kv_bytes_per_token: int = 46080
     device: str = "cpu"
     source: str = "default"
@@ -111,6 +117,20 @@ class CostModel:
 
     def t_swap(self, tokens: float) -> float:
         return tokens * self.kv_bytes_per_token / self.swap_bytes_per_s
+
+    def overlapped_step(self, compute_s: float, tokens: float) -> tuple[float, float]:
+        """(step time, stall) of a step whose `compute_s` of forward pass runs beside a copy of
+        `tokens` of KV: while both run the forward is swap_compute_slowdown times slower and the
+        copy runs at swap_bytes_per_s_beside_compute; what is left of the copy when the forward
+        ends runs alone, at swap_bytes_per_s, and stalls the step."""
+        slowdown = max(self.swap_compute_slowdown, 1.0)
+        beside = self.swap_bytes_per_s_beside_compute or self.swap_bytes_per_s
+        copy_s = tokens * self.kv_bytes_per_token / beside
+        if copy_s <= compute_s * slowdown:
+            return compute_s + copy_s * (1 - 1 / slowdown), 0.0
+        left = tokens * self.kv_bytes_per_token - compute_s * slowdown * beside
+        stall = left / self.swap_bytes_per_s
+        return compute_s * slowdown + stall, stall
 
     def copy_pays(self, reuse_rate: float, tokens: float) -> bool:
         """Whether copying `tokens` of KV to the host where the copy cannot hide behind compute
@@ -167,7 +187,11 @@ def mean_cost_model(a: CostModel, b: CostModel, source: str) -> CostModel:
                      prefetch_warmup_blocks=a.prefetch_warmup_blocks,
                      saturation_tokens=a.saturation_tokens,
                      swap_bytes_per_s=(a.swap_bytes_per_s + b.swap_bytes_per_s) / 2,
-                     swaps_overlap_compute=a.swaps_overlap_compute, kv_bytes_per_token=a.kv_bytes_per_token,
+                     swaps_overlap_compute=a.swaps_overlap_compute,
+                     swap_compute_slowdown=(a.swap_compute_slowdown + b.swap_compute_slowdown) / 2,
+                     swap_bytes_per_s_beside_compute=(a.swap_bytes_per_s_beside_compute
+                                                      + b.swap_bytes_per_s_beside_compute) / 2,
+                     kv_bytes_per_token=a.kv_bytes_per_token,
                      device=a.device, source=source)
 
 

@@ -1,0 +1,47 @@
+"""What a copy beside the forward pass costs: the profiler's measurement on a tiny model, what it
+records, and what a CPU engine does with it (nothing: its swaps stall, measured or not)."""
+from __future__ import annotations
+
+import pytest
+
+from segue.config import CacheConfig, EngineConfig, ModelLoadConfig
+from segue.engine import LLMEngine
+from segue.profiler_overlap import OverlapProfile, measure_swap_overlap
+from segue.sched.cost_model import CostModel, mean_cost_model
+
+
+def test_profile_measures_a_decode_beside_a_copy(tmp_path) -> None:
+    from conftest import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny")
+    engine = LLMEngine(EngineConfig(model=ModelLoadConfig(model=str(ckpt)),
+                                    cache=CacheConfig(kv_cache_tokens=2048, swap_space_tokens=1024)).validate())
+    cache = engine.executor.kv_cache
+    cache.k.fill_(0.5)  # marks the device blocks, so the host blocks show whether they were copied
+    overlap = measure_swap_overlap(engine, repeats=2)
+    assert overlap is not None
+    assert overlap.step_ms_alone > 0 and overlap.step_ms_beside_copy > 0
+    assert overlap.copy_bytes_per_s_beside > 0 and overlap.slowdown >= 1.0
+    assert "beside" in overlap.describe()
+    assert not engine.has_unfinished_requests()
+    # The copies went to the host tier: some of its blocks now hold the device's marked KV.
+    assert int((cache.host_k == 0.5).all(dim=(0, 1, 3, 4)).sum()) > 0
+    # No host tier: nothing to copy, nothing measured.
+    no_host = LLMEngine(EngineConfig(model=ModelLoadConfig(model=str(ckpt)),
+                                     cache=CacheConfig(kv_cache_tokens=2048, swap_space_tokens=0)).validate())
+    assert measure_swap_overlap(no_host) is None
+
+
+def test_a_forward_faster_beside_a_copy_is_not_a_speed_up() -> None:
+    # Noise can time the step beside the copy a little faster; a copy never speeds the forward.
+    assert OverlapProfile(10.0, 9.5, 1e9).slowdown == 1.0
+    assert OverlapProfile(10.0, 16.0, 1e9).slowdown == pytest.approx(1.6)
+
+
+def test_the_overlap_fields_average_and_round_trip(tmp_path) -> None:
+    a = CostModel(swap_compute_slowdown=1.5, swap_bytes_per_s_beside_compute=1e9)
+    b = CostModel(swap_compute_slowdown=2.5, swap_bytes_per_s_beside_compute=3e9)
+    mean = mean_cost_model(a, b, "m")
+    assert mean.swap_compute_slowdown == pytest.approx(2.0) and mean.swap_bytes_per_s_beside_compute == 2e9
+    a.save(tmp_path / "a.json")
+    assert CostModel.load(tmp_path / "a.json") == a
