@@ -31,6 +31,7 @@ from segue.request import Request, RequestStatus
 from segue.request_state import RequestState
 from segue.sampling_params import SamplingParams
 from segue.sched.output import SchedulerOutput
+from segue.sched.step_charge import step_seconds
 from segue.sched.waste import WasteMeter
 from segue.tools.stats import DurationStats
 
@@ -63,6 +64,8 @@ class LLMEngine(EngineRequests):
         # Sampling settings the model recommends, for callers (the server) whose clients name none.
         self.generation_defaults = generation_defaults(config.model.model, config.model.generation_config)
         self.num_steps = 0
+        self.step_seconds = 0.0            # executor time of all steps, and the cost model's
+        self.modelled_step_seconds = 0.0   # charge for them (EngineStats)
         self.last_step_idle = True
         self.info = ModelInfo(self.model_name, max_model_len, model_config.vocab_size, chat_template,
                               tokenizer, dict(self.generation_defaults))
@@ -105,7 +108,8 @@ class LLMEngine(EngineRequests):
 
     # ---- what callers may read of the engine ---------------------------------------------
     def stats(self) -> EngineStats:
-        return engine_stats(self.scheduler, self.waste, self.num_steps, self.tool_stats, self.predictors)
+        return engine_stats(self.scheduler, self.waste, self.num_steps, self.tool_stats, self.predictors,
+                            (self.step_seconds, self.modelled_step_seconds))
 
     def load_report(self) -> LoadReport:
         return load_report(self.scheduler)
@@ -157,6 +161,8 @@ class LLMEngine(EngineRequests):
     def _update(self, out: SchedulerOutput, sampled: dict[str, Any], step_s: float) -> list[Request]:
         """The scheduler takes the sampled tokens; the requests that got one."""
         self.num_steps += 1
+        self.step_seconds += step_s
+        self.modelled_step_seconds += step_seconds(self.scheduler.cost, out, self.scheduler.kv.block_size)[0]
         self.predictors.on_sampled(out.seqs, sampled)
         got_token = self.scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
         self._record_waste(out, step_s)

@@ -20,7 +20,7 @@ def load_report(s: Scheduler) -> LoadReport:
 
 
 def engine_stats(s: Scheduler, waste: WasteMeter, num_steps: int, tool_stats: DurationStats,
-                 predictors: OnlinePredictors) -> EngineStats:
+                 predictors: OnlinePredictors, step_seconds: tuple[float, float] = (0.0, 0.0)) -> EngineStats:
     """On the engine thread, between steps: one consistent snapshot."""
     kv = s.kv
     paused: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # requests, device, host blocks
@@ -38,4 +38,5 @@ def engine_stats(s: Scheduler, waste: WasteMeter, num_steps: int, tool_stats: Du
         paused_kv={d: PausedKV(*row) for d, row in paused.items()},
         waste=waste.totals.as_dict(), preemptions=s.num_preemptions_total,
         prefix_hit_tokens=s.prefix_hit_tokens, prefix_query_tokens=s.prefix_query_tokens,
-        steps=num_steps, tools=tool_stats.snapshot(), predictors=predictors.snapshot())
+        steps=num_steps, step_seconds=step_seconds[0], modelled_step_seconds=step_seconds[1],
+        tools=tool_stats.snapshot(), predictors=predictors.snapshot())

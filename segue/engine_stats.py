@@ -57,6 +57,12 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
     steps: int = 0
+    # Seconds the executor took for those steps, and what the scheduler's cost model charges the
+    # same batches (CostModel.step_seconds, the simulator's charge). Their ratio is how much slower
+    # this engine runs than its profile: a profile taken on another machine or an idle one (the
+    # HTTP frontend shares a CPU's cores), which `segue sim --step-time-scale` can replay.
+    step_seconds: float = 0.0
+    modelled_step_seconds: float = 0.0
     tools: dict[str, DurationSummary] = field(default_factory=dict)
     predictors: dict[str, AccuracySnapshot] = field(default_factory=dict)
 

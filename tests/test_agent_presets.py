@@ -64,3 +64,21 @@ def test_sim_agents_take_the_pressure_preset_and_an_eviction_order(capsys):
     out = capsys.readouterr().out
     assert "6 agents over 32 s, 3-6 turns" in out and "tool results 300 tokens" in out
     assert "| plain | sim | plain | server default | 6/6 |" in out and "×) |" in out
+
+
+def test_sim_replays_a_slower_machine_with_the_step_time_scale(tmp_path):
+    # `--step-time-scale` runs the preset's forward passes slower, as a served engine reports its
+    # steps ran (segue_engine_step_seconds over segue_engine_modelled_step_seconds): agents wait longer.
+    import json
+
+    from segue.sim.run import main
+
+    times = []
+    for scale in ("1", "3"):
+        path = tmp_path / f"agents-{scale}.json"
+        assert main(["--workload", "agents", "--agent-preset", "pressure", "--agents", "6", "--kv-cache-tokens",
+                     "4096", "--max-model-len", "4096", "--interception-policies", "min-waste", "--agent-modes",
+                     "plain", "--no-progress", "--step-time-scale", scale, "--output-json", str(path)]) == 0
+        rows = json.loads(path.read_text())["rows"]
+        times.append(rows[0]["mean_busy_s"])
+    assert times[1] > 1.5 * times[0]

@@ -101,7 +101,8 @@ def test_metrics_exposes_engine_and_server_numbers(engine: AsyncLLMEngine) -> No
                  "segue_prefix_cache_hit_tokens_total", "segue_time_to_first_token_seconds_bucket",
                  "segue_time_per_output_token_seconds_bucket", "segue_e2e_request_latency_seconds_bucket",
                  "segue_tool_calls_total", "segue_tool_duration_seconds", "segue_sessions",
-                 "segue_requests_in_flight"):
+                 "segue_requests_in_flight", "segue_engine_step_seconds_total",
+                 "segue_engine_modelled_step_seconds_total"):
         assert name in text, name
     assert 'segue_http_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in text
     assert 'segue_tool_calls_total{outcome="ok",side="server",tool="calculator"} 1.0' in text

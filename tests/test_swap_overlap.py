@@ -45,3 +45,46 @@ def test_the_overlap_fields_average_and_round_trip(tmp_path) -> None:
     assert mean.swap_compute_slowdown == pytest.approx(2.0) and mean.swap_bytes_per_s_beside_compute == 2e9
     a.save(tmp_path / "a.json")
     assert CostModel.load(tmp_path / "a.json") == a
+
+
+def test_the_engine_compares_its_steps_with_the_cost_model(tmp_path) -> None:
+    # What the simulator would charge each executed step, summed beside the time the steps took:
+    # their ratio is what `segue sim --step-time-scale` replays.
+    from conftest import make_tiny_checkpoint
+    from segue.sampling_params import SamplingParams
+    from segue.sched.step_charge import step_seconds
+
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny")
+    engine = LLMEngine(EngineConfig(model=ModelLoadConfig(model=str(ckpt)),
+                                    cache=CacheConfig(kv_cache_tokens=2048, swap_space_tokens=0)).validate())
+    executed = []
+    inner = engine.executor.execute
+
+    def execute(out):
+        executed.append(out)
+        return inner(out)
+
+    engine.executor.execute = execute
+    engine.add_request("acct", list(range(5, 40)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.stats()
+    cost, bs = engine.scheduler.cost, engine.scheduler.kv.block_size
+    assert stats.steps == len(executed) == 4  # the prefill, then three decodes
+    assert stats.step_seconds > 0
+    assert stats.modelled_step_seconds == pytest.approx(sum(step_seconds(cost, out, bs)[0] for out in executed))
+    assert stats.modelled_step_seconds > 0
+
+
+def test_a_scaled_model_runs_its_compute_slower_and_its_copies_as_fast() -> None:
+    from segue.sched.cost_model import PRESETS, load_preset
+
+    base = PRESETS["gptj-6b-a100"]
+    slow = load_preset("gptj-6b-a100", 1.5)
+    assert slow.t_step(512, 4096, 10**6, 20) == pytest.approx(1.5 * base.t_step(512, 4096, 10**6, 20))
+    assert slow.t_swap(1000) == base.t_swap(1000)
+    assert load_preset("gptj-6b-a100") is base
+    with pytest.raises(ValueError):
+        base.scaled(0)
+    with pytest.raises(SystemExit):
+        load_preset("no-such-preset")

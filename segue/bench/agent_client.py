@@ -88,6 +88,8 @@ _COUNTERS = {
     "preemptions": ("segue_preemptions_total", "vllm:num_preemptions_total"),
     "prefix_hit_tokens": ("segue_prefix_cache_hit_tokens_total", "vllm:prefix_cache_hits_total"),
     "prefix_query_tokens": ("segue_prefix_cache_query_tokens_total", "vllm:prefix_cache_queries_total"),
+    "step_seconds": ("segue_engine_step_seconds_total",),
+    "modelled_step_seconds": ("segue_engine_modelled_step_seconds_total",),
 }
 
 

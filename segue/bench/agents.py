@@ -150,12 +150,16 @@ def run_config(args: argparse.Namespace, cfg: AgentRunConfig, runner: Any) -> di
         turns = [t for r in recs for t in r.turns]
         hit = srv.get("prefix_hit_tokens")
         query = srv.get("prefix_query_tokens")
+        modelled = srv.get("modelled_step_seconds")
         row.update(busy_s=[r.busy_s for r in recs], num_finished=len(recs), errors=res["errors"][:10],
                    wall_s=res["wall_s"], preemptions=srv.get("preemptions"),
                    recompute_gbs=srv.get("waste_recompute_gbs"),
                    waste_total_gbs=sum(v for k, v in srv.items() if k.startswith("waste_")) if any(
                        k.startswith("waste_") for k in srv) else None,
                    prefix_hit=hit / query if hit is not None and query else None,
+                   # How much slower the server's steps ran than its profile charges them: what
+                   # `segue sim --step-time-scale` needs to replay this run.
+                   step_time_over_model=srv["step_seconds"] / modelled if modelled else None,
                    cached_share=sum(t.cached_tokens for t in turns) / max(1, sum(t.prompt_tokens for t in turns)),
                    computed_prompt_tokens=sum(t.prompt_tokens - t.cached_tokens for t in turns),
                    turn_ttft_mean=_mean([t.first_token - t.start for t in turns if t.first_token is not None]),
@@ -197,8 +201,10 @@ def run(args: argparse.Namespace) -> int:
     for cfg in configs:
         rows.append(run_config(args, cfg, runner))
         r = rows[-1]
+        scale = r.get("step_time_over_model")
         print(f"done: {cfg.name}: {r['num_finished']}/{r['num_agents']} agents, mean agent time - tool time "
-              f"{_f(r['mean_busy_s'], '{:.2f}')} s", file=sys.stderr, flush=True)
+              f"{_f(r['mean_busy_s'], '{:.2f}')} s" + (f"; server steps {scale:.2f}x what its profile charges"
+                                                     if scale else ""), file=sys.stderr, flush=True)
         for e in r.get("errors") or []:
             print(f"  error: {e}", file=sys.stderr)
     md = render(rows, f"segue bench agents — {AgentSpec.from_args(args).describe()}")

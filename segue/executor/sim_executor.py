@@ -9,6 +9,7 @@ from segue.executor.base import Executor, SampledToken
 from segue.model.config import ModelConfig
 from segue.sched.cost_model import CostModel
 from segue.sched.output import SchedulerOutput
+from segue.sched.step_charge import step_seconds
 
 # An ordinary id in the middle of any vocabulary: never EOS, never a special token.
 SIM_TOKEN_ID = 1234
@@ -53,25 +54,8 @@ class SimExecutor(Executor):
         self.busy_seconds = 0.0
 
     def step_seconds(self, out: SchedulerOutput) -> tuple[float, float]:
-        """(step time, swap stall) of one batch. Where the device has a copy engine, swaps run
-        beside the forward pass (InferCept's pipelined swap) and only what outlasts it stalls the
-        step; a copy that slows the forward (CostModel.overlapped_step) charges that too. A CPU's
-        swaps, and a step with copies but no sequences, have no compute to hide behind, so all
-        their copying is stall."""
-        # Write-backs run before the step, synchronously (ModelExecutor.execute: the step's own
-        # writes may overwrite the blocks they read), so they never hide behind compute.
-        backed_up = self.cost.t_swap(len(out.blocks_to_back_up) * self.block_size)
-        copied = (len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)) * self.block_size
-        if not out.seqs:
-            stall = backed_up + self.cost.t_swap(copied)
-            return stall, stall
-        scattered = out.num_scattered_blocks(self.block_size, self.cost.prefetch_warmup_blocks)
-        compute = self.cost.t_step(out.num_batched_tokens, out.num_context_tokens, out.num_attended_pairs, scattered)
-        if not self.cost.swaps_overlap_compute:
-            stall = backed_up + self.cost.t_swap(copied)
-            return compute + stall, stall
-        step, stall = self.cost.overlapped_step(compute, copied) if copied else (compute, 0.0)
-        return step + backed_up, stall + backed_up
+        """(step time, swap stall) of one batch, as the cost model charges it."""
+        return step_seconds(self.cost, out, self.block_size)
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         dt, stall = self.step_seconds(out)

@@ -6,7 +6,7 @@ import bisect
 import itertools
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 
@@ -132,6 +132,18 @@ class CostModel:
         stall = left / self.swap_bytes_per_s
         return compute_s * slowdown + stall, stall
 
+    def scaled(self, factor: float) -> "CostModel":
+        """The same model with every compute cost times `factor` (copies unchanged): a device that
+        runs its forward passes `factor` times slower than profiled, as a served engine does
+        whose cores also run the HTTP frontend (EngineStats: step seconds over modelled, sched/step_charge.py)."""
+        if factor <= 0:
+            raise ValueError(f"the step-time factor must be positive, got {factor}")
+        return replace(self, fwd_ms_per_token=self.fwd_ms_per_token * factor, fwd_base_ms=self.fwd_base_ms * factor,
+                       fwd_curve_ms=[[t, ms * factor] for t, ms in self.fwd_curve_ms] if self.fwd_curve_ms else None,
+                       fwd_ms_per_context_token=self.fwd_ms_per_context_token * factor,
+                       fwd_ms_per_attended_pair=self.fwd_ms_per_attended_pair * factor,
+                       fwd_ms_per_scattered_block=self.fwd_ms_per_scattered_block * factor)
+
     def copy_pays(self, reuse_rate: float, tokens: float) -> bool:
         """Whether copying `tokens` of KV to the host where the copy cannot hide behind compute
         (it stalls the step) saves time: when they are read back with probability `reuse_rate`,
@@ -216,3 +228,15 @@ PRESETS: dict[str, CostModel] = {
 
 def default_profile_path(device: str) -> Path:
     return Path.home() / ".cache" / "segue" / f"profile-{device}.json"
+
+
+def load_preset(preset: str, step_time_scale: float = 1.0) -> CostModel:
+    """A preset by name or a `segue profile` JSON, its compute `step_time_scale` times slower
+    (`segue sim --step-time-scale`)."""
+    if preset in PRESETS:
+        cost = PRESETS[preset]
+    elif Path(preset).exists():
+        cost = CostModel.load(preset)
+    else:
+        raise SystemExit(f"--preset must be one of {sorted(PRESETS)} or a profile JSON path")
+    return cost if step_time_scale == 1.0 else cost.scaled(step_time_scale)

@@ -93,6 +93,11 @@ class _EngineCollector:
         yield CounterMetricFamily("segue_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
                                   value=snap.prefix_query_tokens)
         yield CounterMetricFamily("segue_engine_steps", "Engine steps", value=snap.steps)
+        yield CounterMetricFamily("segue_engine_step_seconds", "Seconds the executor took for the engine's steps",
+                                  value=snap.step_seconds)
+        yield CounterMetricFamily("segue_engine_modelled_step_seconds",
+                                  "What the cost model (the profile) charges the same steps",
+                                  value=snap.modelled_step_seconds)
         durations = GaugeMetricFamily("segue_tool_duration_seconds",
                                       "Observed tool (interception) durations over the recent window",
                                       labels=["tool", "stat"])

@@ -134,12 +134,12 @@ def plot_hit_rates(result: dict[str, Any], path: str) -> None:
 
 
 def run_mooncake(args: argparse.Namespace, make_engine: Callable[[str], Any]) -> tuple[dict[str, Any], str]:
-    from segue.sched.cost_model import PRESETS, CostModel
+    from segue.sched.cost_model import load_preset
     from segue.sim.engine import default_kv_cache_tokens
 
     name = args.trace or "conversation"
     trace = load_mooncake(name, limit=args.num_requests)
-    cost = PRESETS[args.preset] if args.preset in PRESETS else CostModel.load(args.preset)
+    cost = load_preset(args.preset, getattr(args, "step_time_scale", 1.0))
     kv_tokens = args.kv_cache_tokens or default_kv_cache_tokens(args.preset, cost.kv_bytes_per_token,
                                                                 args.block_size, args.gpu_memory_gib)
     if kv_tokens is None:

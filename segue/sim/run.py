@@ -66,6 +66,11 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("simulated machine")
     g.add_argument("--preset", default="gptj-6b-a100",
                    help="gptj-6b-a100, vicuna-13b-2xa100 or a `segue profile` JSON path")
+    g.add_argument("--step-time-scale", type=float, default=1.0,
+                   help="run the preset's forward passes this many times slower (default: 1): a served "
+                        "engine's steps over what its profile charges, from its /metrics "
+                        "(segue_engine_step_seconds / segue_engine_modelled_step_seconds; `segue bench agents "
+                        "--url` reports it)")
     g.add_argument("--kv-cache-tokens", type=int, default=None,
                    help="device KV pool in tokens (default for a preset: 0.9 of GPU memory minus fp16 weights)")
     g.add_argument("--gpu-memory-gib", type=float, default=80.0,
@@ -158,19 +163,14 @@ def plot_latency_vs_rate(rows: list[dict[str, Any]], path: str, title: str) -> N
 def run_sim(args: argparse.Namespace) -> int:
     from segue.config import CacheConfig, EngineConfig, PredictorConfig, SchedulerConfig
     from segue.executor.sim_executor import SimClock
-    from segue.sched.cost_model import PRESETS, CostModel
+    from segue.sched.cost_model import load_preset
     from segue.sim.engine import make_sim_engine
     from segue.sim.replay import render_markdown, replay
 
     if getattr(args, "workload", "infercept") != "infercept":
         from segue.sim.workload_runs import run_sim_workload
         return run_sim_workload(args)
-    if args.preset in PRESETS:
-        cost = PRESETS[args.preset]
-    elif os.path.exists(args.preset):
-        cost = CostModel.load(args.preset)
-    else:
-        raise SystemExit(f"--preset must be one of {sorted(PRESETS)} or a profile JSON path")
+    cost = load_preset(args.preset, args.step_time_scale)
     bs = args.block_size
     kv_tokens = args.kv_cache_tokens or default_kv_cache_tokens(args.preset, cost.kv_bytes_per_token, bs,
                                                                  args.gpu_memory_gib)

@@ -49,10 +49,10 @@ def add_sim_workload_args(p: argparse.ArgumentParser) -> None:
 def _engine(args: argparse.Namespace, interception: str | None = None, prefix_caching: bool = True,
             latency_capacity: int | None = None, prefix_eviction: str = "lru") -> Any:
     from segue.config import CacheConfig, EngineConfig, SchedulerConfig
-    from segue.sched.cost_model import PRESETS, CostModel
+    from segue.sched.cost_model import load_preset
     from segue.sim.engine import default_kv_cache_tokens, make_sim_engine
 
-    cost = PRESETS[args.preset] if args.preset in PRESETS else CostModel.load(args.preset)
+    cost = load_preset(args.preset, getattr(args, "step_time_scale", 1.0))
     kv = args.kv_cache_tokens or default_kv_cache_tokens(args.preset, cost.kv_bytes_per_token, args.block_size,
                                                          args.gpu_memory_gib)
     if kv is None:
