@@ -58,7 +58,7 @@ class EngineStats:
     prefix_query_tokens: int = 0
     steps: int = 0
     # Seconds the executor took for those steps, and what the scheduler's cost model charges the
-    # same batches (CostModel.step_seconds, the simulator's charge). Their ratio is how much slower
+    # same batches (sched/step_charge.py, the simulator's charge). Their ratio is how much slower
     # this engine runs than its profile: a profile taken on another machine or an idle one (the
     # HTTP frontend shares a CPU's cores), which `segue sim --step-time-scale` can replay.
     step_seconds: float = 0.0

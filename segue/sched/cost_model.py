@@ -82,7 +82,7 @@ class CostModel:
     # What a copy beside the forward pass costs (segue/profiler_overlap.py): the forward runs this
     # many times slower while it copies, and the copy moves this many bytes per second (0: at
     # swap_bytes_per_s). A copy engine costs nothing; a CPU thread copying beside a 2-core
-    # forward slowed it 1.6x and copied at ~1.2 GB/s, a tenth of a copy before it.
+    # forward (AMD EPYC) slowed it 1.6-1.8x and copied at 0.3-1.0 GB/s, against 11.5 GB/s before it.
     swap_compute_slowdown: float = 1.0
     swap_bytes_per_s_beside_compute: float = 0.0
     kv_bytes_per_token: int = 46080
