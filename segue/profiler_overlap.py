@@ -23,9 +23,7 @@ from dataclasses import dataclass
 
 from segue.engine import LLMEngine
 from segue.kv.manager import cdiv
-from segue.request import Request
-from segue.sampling_params import SamplingParams
-from segue.sched.output import ScheduledSeq, SchedulerOutput
+from segue.profiler_scatter import decode_batch, decode_context, one_piece
 
 
 @dataclass(frozen=True)
@@ -83,7 +81,7 @@ def measure_swap_overlap(engine: LLMEngine, seqs: int = 4, context: int = 2048, 
     if cache is None or cache.k.is_cuda or cache.host_k.shape[2] == 0:
         return None
     bs, num_blocks = executor.block_size, executor.num_device_blocks
-    context = min(context, engine.max_model_len - 1, (num_blocks // 2) * bs // seqs)
+    context = decode_context(engine, seqs, context)
     per_seq = cdiv(context, bs)
     # The copy takes blocks the decode does not read, so both run as they would in a server.
     free = range(seqs * per_seq, num_blocks)
@@ -93,10 +91,7 @@ def measure_swap_overlap(engine: LLMEngine, seqs: int = 4, context: int = 2048, 
     rng = random.Random(seed)
     mapping = list(zip(rng.sample(free, n), rng.sample(range(cache.host_k.shape[2]), n), strict=True))
     round_bytes = 2 * n * bs * executor.kv_bytes_per_token
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(seqs)]
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    out = SchedulerOutput([ScheduledSeq(Request(f"overlap-{i}", [7] * context, params, 0.0), [7], context - 1,
-                                        table, True) for i, table in enumerate(tables)])
+    out = decode_batch("overlap", one_piece(seqs, per_seq), context)
 
     def run_steps() -> float:
         t0 = time.perf_counter()

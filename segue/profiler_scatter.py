@@ -40,14 +40,32 @@ class ScatterProfile:
                 f"{self.warmup_blocks} cold blocks per run (decode steps: {steps})")
 
 
+def decode_context(engine: LLMEngine, seqs: int, context: int) -> int:
+    """`context`, cut so that `seqs` sequences of it fit the model and half the device pool."""
+    return min(context, engine.max_model_len - 1, (engine.executor.num_device_blocks // 2)
+               * engine.executor.block_size // seqs)
+
+
+def one_piece(seqs: int, per_seq: int) -> list[list[int]]:
+    """Block tables of `per_seq` blocks each, one after the other from block 0."""
+    return [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(seqs)]
+
+
+def decode_batch(tag: str, tables: list[list[int]], context: int) -> SchedulerOutput:
+    """One decode step of a sequence per table, each at `context` tokens: for the executor only
+    (its KV is whatever the pool holds, which the step's cost does not depend on)."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    return SchedulerOutput([ScheduledSeq(Request(f"{tag}-{i}", [7] * context, params, 0.0), [7], context - 1,
+                                         table, True) for i, table in enumerate(tables)])
+
+
 def _layouts(num_blocks: int, seqs: int, per_seq: int, rng: random.Random) -> dict[str, list[list[int]]]:
-    one_piece = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(seqs)]
     shuffled_ids = rng.sample(range(num_blocks), seqs * per_seq)
     shuffled = [shuffled_ids[i * per_seq:(i + 1) * per_seq] for i in range(seqs)]
     starts = rng.sample(range(num_blocks // RUN), seqs * cdiv(per_seq, RUN))
     runs = [[b for start in starts[i * cdiv(per_seq, RUN):(i + 1) * cdiv(per_seq, RUN)]
              for b in range(start * RUN, start * RUN + RUN)][:per_seq] for i in range(seqs)]
-    return {"one piece": one_piece, "shuffled": shuffled, f"runs of {RUN}": runs}
+    return {"one piece": one_piece(seqs, per_seq), "shuffled": shuffled, f"runs of {RUN}": runs}
 
 
 def measure_scatter(engine: LLMEngine, seqs: int = 4, context: int = 2048, repeats: int = 9,
@@ -57,17 +75,15 @@ def measure_scatter(engine: LLMEngine, seqs: int = 4, context: int = 2048, repea
     executor = engine.executor
     if getattr(executor, "kv_cache", None) is None:
         return None
-    bs, num_blocks = executor.block_size, executor.num_device_blocks
-    context = min(context, engine.max_model_len - 1, (num_blocks // 2) * bs // seqs)
-    per_seq = cdiv(context, bs)
+    num_blocks = executor.num_device_blocks
+    context = decode_context(engine, seqs, context)
+    per_seq = cdiv(context, executor.block_size)
     if per_seq < 2 * RUN or seqs * per_seq * 2 > num_blocks:
         return None
     layouts = _layouts(num_blocks, seqs, per_seq, random.Random(seed))
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
     def step(tables: list[list[int]]) -> float:
-        out = SchedulerOutput([ScheduledSeq(Request(f"scatter-{i}", [7] * context, params, 0.0), [7], context - 1,
-                                            table, True) for i, table in enumerate(tables)])
+        out = decode_batch("scatter", tables, context)
         t0 = time.perf_counter()
         executor.execute(out)
         return (time.perf_counter() - t0) * 1000

@@ -139,7 +139,7 @@ def run_mooncake(args: argparse.Namespace, make_engine: Callable[[str], Any]) ->
 
     name = args.trace or "conversation"
     trace = load_mooncake(name, limit=args.num_requests)
-    cost = load_preset(args.preset, getattr(args, "step_time_scale", 1.0))
+    cost = load_preset(args.preset, args.step_time_scale)
     kv_tokens = args.kv_cache_tokens or default_kv_cache_tokens(args.preset, cost.kv_bytes_per_token,
                                                                 args.block_size, args.gpu_memory_gib)
     if kv_tokens is None:

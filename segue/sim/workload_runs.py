@@ -52,7 +52,7 @@ def _engine(args: argparse.Namespace, interception: str | None = None, prefix_ca
     from segue.sched.cost_model import load_preset
     from segue.sim.engine import default_kv_cache_tokens, make_sim_engine
 
-    cost = load_preset(args.preset, getattr(args, "step_time_scale", 1.0))
+    cost = load_preset(args.preset, args.step_time_scale)
     kv = args.kv_cache_tokens or default_kv_cache_tokens(args.preset, cost.kv_bytes_per_token, args.block_size,
                                                          args.gpu_memory_gib)
     if kv is None:
