@@ -96,6 +96,16 @@ class KVCacheManager(HostTierSide):
         on_device = max(0, min(d * self.block_size, request.num_computed_tokens))
         return max(0, on_device - (d - self.num_private_blocks_of(rid)) * self.block_size)
 
+    def num_freed_by_release(self, request_ids: list[str], handles: list[RetainedContext],
+                             hits: list[KVBlock]) -> int:
+        """Device blocks that releasing these requests' device tables and these retained handles,
+        all of them, would free, `hits` not counted: a freed block that a request is about to take
+        as a cached hit gives it no room. A block shared with a holder outside the set stays."""
+        refs = Counter(b.block_id for rid in request_ids for b in self.tables.get(rid, ()))
+        refs.update(b.block_id for h in handles for b in h.blocks)
+        taken = {b.block_id for b in hits}
+        return sum(1 for bid, n in refs.items() if self.device.blocks[bid].ref_cnt == n and bid not in taken)
+
     @staticmethod
     def num_free_among(hits: list[KVBlock]) -> int:
         """Cached hits that sit in the free list: taking them takes free blocks."""

@@ -188,6 +188,10 @@ class AgentTracker:
             freed += self._let_go(agent)
         return freed
 
+    def releasable(self, keep: AgentState | None = None) -> list[RetainedContext]:
+        """The contexts release_for_memory may release (all but `keep`'s)."""
+        return [_held(a) for a in self._holders(keep)]
+
     def _holders(self, keep: AgentState | None) -> list[AgentState]:
         return [a for a in self._agents.values() if a.context is not None and a is not keep]
 

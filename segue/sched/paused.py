@@ -222,6 +222,10 @@ class PausedRequests:
                 self.release(req)
         return swap_out
 
+    def releasable(self) -> list[str]:
+        """The paused requests release_for_memory would release (those with private blocks)."""
+        return [rid for rid in self.paused if self.kv.num_private_blocks_of(rid)]
+
     def release_for_memory(self, blocks_needed: int, now: float) -> int:
         """Under memory pressure, release preserved contexts before preempting running requests:
         a paused request makes no progress with its memory. The latest expected back go first,

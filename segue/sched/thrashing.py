@@ -8,7 +8,7 @@ recompute. On the pressure preset (32 agents whose histories add up to ~3x an 8,
 real engine) admitting without this test cost 47-170 preemptions a run; with it, none, and
 1.10-1.24x less agent time (BENCHMARKS.md). A turn whose own history is retained, and a request
 that has waited past its starvation bound, may release others' histories, the least valuable
-first. Non-preemptive orders only (sched/admission.py). Pure Python.
+first, and only when that lets it in. Non-preemptive orders only (sched/admission.py). Pure Python.
 """
 from __future__ import annotations
 
@@ -85,12 +85,19 @@ def fit_beside_agents(sched: SchedulerState, req: Request, hits: list[KVBlock], 
         return Fit.FITS
     past = _past_bound(sched, req, short)
     holds = req.num_computed_tokens > 0
-    if holds:
-        sched.paused.release_for_memory(short, sched.now)
-        short = _shortfall(sched, req, hits, committed)
-    if short > 0 and (past or holds or agents.is_resident(req)):
-        agents.release_for_memory(short, sched.now, keep=agents.agent_of(req))
-        short = _shortfall(sched, req, hits, committed)
+    keep = agents.agent_of(req)
+    paused = sched.paused.releasable() if holds else []
+    histories = agents.releasable(keep) if past or holds or agents.is_resident(req) else []
+    # All or nothing: a release that leaves the request waiting destroys others' KV for no
+    # admission, and the same candidate asks again next step, so it would cascade through every
+    # history and paused context while the request still waits for running ones to finish.
+    if (paused or histories) and sched.kv.num_freed_by_release(paused, histories, hits) >= short:
+        # Each release is repeated: a freed block that is one of the hits counts as freed but
+        # gives no room. Paused contexts first: they make no progress with their memory.
+        while short > 0 and paused and sched.paused.release_for_memory(short, sched.now):
+            short = _shortfall(sched, req, hits, committed)
+        while short > 0 and histories and agents.release_for_memory(short, sched.now, keep=keep):
+            short = _shortfall(sched, req, hits, committed)
         if short <= 0:
             return Fit.FITS
         past = _past_bound(sched, req, short)

@@ -1,0 +1,91 @@
+"""Thrashing avoidance releases other agents' KV only for a request that the release lets in: a
+release that leaves it waiting would throw away histories and paused contexts for nothing, and
+again at the next step (sched/thrashing.py). KV invariants every step."""
+from __future__ import annotations
+
+from segue.config import SchedulerConfig
+from segue.kv.manager import KVCacheManager
+from segue.request import Request, RequestStatus
+from segue.sampling_params import SamplingParams
+from segue.sched.cost_model import CostModel
+from segue.sched.interception import make_interception_policy
+from segue.sched.policies import make_policy
+from segue.sched.scheduler import Scheduler
+from segue.sched.thrashing import _shortfall, running_needs
+
+BS = 4
+SLOW = CostModel(fwd_ms_per_token=100.0, fwd_base_ms=10.0)
+
+
+def make_scheduler(num_blocks: int) -> Scheduler:
+    kv = KVCacheManager(BS, num_blocks)
+    cfg = SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8, agent_retention=True)
+    return Scheduler(cfg, kv, make_policy("fcfs"), max_model_len=num_blocks * BS, cost=SLOW,
+                     interception=make_interception_policy("preserve"))
+
+
+def step(sched: Scheduler, now: float) -> list[Request]:
+    out = sched.schedule(now)
+    sched.update_from_output(out, {s.request.request_id: 7 for s in out.seqs if s.sample})
+    sched.check_invariants()
+    return [s.request for s in out.seqs]
+
+
+def turn(rid: str, prompt: list[int], now: float, max_tokens: int = 3) -> Request:
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), now)
+
+
+def finish(sched: Scheduler, req: Request, now: float) -> float:
+    sched.add_request(req)
+    while not req.is_finished:
+        step(sched, now)
+        now += 0.1
+    return now
+
+
+def test_a_resident_turn_that_would_still_not_fit_releases_no_other_history():
+    sched = make_scheduler(20)
+    now = finish(sched, turn("a0", list(range(22)), 0.0), 0.0)       # A: 6 blocks retained
+    b0 = turn("b0", list(range(300, 310)), now)
+    now = finish(sched, b0, now)                                      # B: 3 blocks retained
+    agent_a = next(a for a in sched.agents._agents.values() if a.context is not None and a.context.num_blocks == 6)
+    assert sched.kv.num_retained_blocks == 9
+    runner = turn("r", [90, 91], now, max_tokens=60)                  # never alone in the pool
+    sched.add_request(runner)
+    step(sched, now)
+    now += 0.1
+    # B's next turn continues its retained history (it may release others'), but even A's whole
+    # history would not make room for it beside the runner.
+    b1 = turn("b1", b0.all_token_ids + list(range(400, 460)), now)
+    sched.add_request(b1)
+    assert sched.agents.is_resident(b1)
+    hits, _ = sched.kv.get_computed_blocks(b1)
+    assert _shortfall(sched, b1, hits, running_needs(sched)) > agent_a.context.num_private_blocks()
+    for _ in range(4):  # within the bound and past it: waiting or starving, it takes nothing
+        assert b1 not in step(sched, now)
+        now += 0.1
+        assert agent_a.context is not None and sched.kv.num_retained_blocks == 9
+    assert b1.status is RequestStatus.WAITING
+
+
+def test_a_held_context_that_would_still_not_fit_releases_no_paused_context():
+    sched = make_scheduler(20)
+    runner = turn("r", [90, 91], 0.0, max_tokens=60)
+    paused = turn("p", list(range(100, 106)), 0.0, max_tokens=10)
+    held = turn("s", list(range(200, 206)), 0.0, max_tokens=40)
+    for req in (runner, paused, held):
+        sched.add_request(req)
+    step(sched, 0.0)
+    sched.intercept_request(paused, 0.1)
+    sched.intercept_request(held, 0.1)
+    # The session's next turn: 66 appended tokens, more than the paused context's blocks free.
+    sched.resume_request(held, list(range(500, 566)), 0.2)
+    private = sched.kv.num_private_blocks_of("p")
+    assert private > 0
+    assert _shortfall(sched, held, [], running_needs(sched)) > private + sched.kv.num_retained_blocks
+    now = 0.2
+    for _ in range(4):
+        assert held not in step(sched, now)
+        now += 0.1
+        assert sched.kv.num_private_blocks_of("p") == private, "a paused context was released for nothing"
+    assert held.status is RequestStatus.WAITING and paused.status is RequestStatus.INTERCEPTED
