@@ -169,3 +169,21 @@ def test_off_keeps_the_old_behaviour():
     run_until_done(sched, req, 0.0)
     assert sched.agents is None and sched.kv.num_held_blocks() == 0
     assert sched.kv.device.num_free_blocks == 32
+
+
+def test_a_turn_aborted_while_waiting_lets_its_agents_history_go_at_once():
+    sched = make_scheduler(32)
+    a0 = turn("a0", list(range(12)), 0.0)
+    sched.add_request(a0)
+    now = run_until_done(sched, a0, 0.0)
+    assert sched.kv.num_retained_blocks > 0
+    a1 = turn("a1", a0.all_token_ids + [30, 31], now)
+    sched.add_request(a1)
+    agent = sched.agents.agent_of(a1)
+    assert agent is not None and sched.agents.is_resident(a1)
+    sched.abort_request("a1")  # its next turn will not come (the client went away)
+    sched.check_invariants()
+    assert agent.context is None and sched.kv.num_retained_blocks == 0
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    step(sched, now + 0.1)  # nothing of it is left for expire() to find
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks

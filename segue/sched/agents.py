@@ -138,10 +138,15 @@ class AgentTracker:
         """A request finished. True when its context was retained for its agent's next turn
         (the rest of its KV is freed); False: the caller frees its KV."""
         agent = self._of_request.pop(request.request_id, None)
-        if agent is None or request.status is RequestStatus.FINISHED_ABORTED:
+        if agent is None:
             return False
-        if agent.context is not None:  # a turn that never ran (say, aborted while waiting)
+        if agent.context is not None:
+            # A turn that never ran (aborted while waiting, or finished without being admitted):
+            # the history was kept for this turn, which will not use it now, so holding it to
+            # retain_until would only keep its memory from everyone else.
             self._let_go(agent)
+        if request.status is RequestStatus.FINISHED_ABORTED:
+            return False
         hashes = self.kv.full_block_hashes(request)
         computed = request.num_computed_tokens // self.kv.block_size
         for end in {request.num_prompt_tokens // self.kv.block_size, computed}:
