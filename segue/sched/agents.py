@@ -1,19 +1,19 @@
 """Agents as the scheduler sees them, for every client: identity, the tool gap, and the history
 kept on the device across it (issue 25; Continuum's pinned KV, ThunderAgent's program view).
 
-A turn belongs to an agent when its prompt extends the token chain of a request that finished
-earlier (a plain OpenAI client re-sends the whole history), found through the prefix cache's
-block hashes. When a turn of a likely agent finishes, its cached context is retained (held,
-not evictable) until the agent is expected back: the learnt return gap. Retained contexts are
-what thrashing avoidance protects: admission lets a newcomer use only the memory they leave
-(sched/admission.py), and under pressure the one expected back last, per recompute second it
-would save, is released first. Pure Python.
+A turn belongs to an agent when its prompt extends the token chain of that agent's latest finished
+turn into what the turn produced (a plain OpenAI client re-sends the whole history), found through
+the prefix cache's block hashes, under the same program id. When a turn of a likely agent
+finishes, its cached context is retained (held, not evictable) until the agent is expected back:
+the learnt return gap. Retained contexts are what thrashing avoidance protects: admission lets a
+newcomer use only the memory they leave (sched/admission.py), and under pressure the one expected
+back last, per recompute second it would save, is released first. Pure Python.
 """
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from segue.kv.manager import KVCacheManager
 from segue.kv.retained import RetainedContext
@@ -36,6 +36,10 @@ class AgentState:
     retain_until: float = -math.inf
     # A finished turn whose outcome (came back or not) is not known yet.
     awaiting_return: bool = False
+    # The client's own name for it (Request.program_id: a session or a program); None: a plain client.
+    program_id: str | None = None
+    # Chain-end hashes of its latest finished turn, not yet continued: what its next turn extends.
+    chain_ends: list[int] = field(default_factory=list)
 
 
 class ReturnGaps:
@@ -80,9 +84,11 @@ class AgentTracker:
         self.max_agents = max_agents
         self._agents: OrderedDict[int, AgentState] = OrderedDict()
         self._next_id = 0
-        # Chain-end block hash of a finished turn -> its agent: where the next turn's prompt
-        # meets the history (the end of the prompt, and of the computed context).
-        self._chain_ends: dict[int, int] = {}
+        # The last full block's hash of an agent's latest finished turn -> (the agent, the
+        # turn's tokens after that block): where the next turn's prompt meets the history (at
+        # the end of the context and of the computed context). Several agents may end a block
+        # apart with different tails (a system prompt's end, each with its own short answer).
+        self._chain_ends: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
         self._of_request: dict[str, AgentState] = {}
         # Agents with a retained context or an open outcome: what expire() looks at each step.
         self._watched: set[int] = set()
@@ -91,14 +97,9 @@ class AgentTracker:
     def on_arrival(self, request: Request, now: float) -> AgentState:
         """Find the agent a new request continues (its prompt extends a finished turn's chain),
         or start a new one. Call before the ordering policy sees the request."""
-        agent = None
-        for h in reversed(self.kv.full_block_hashes(request)):
-            aid = self._chain_ends.get(h)
-            if aid is not None and aid in self._agents:
-                agent = self._agents[aid]
-                break
+        agent = self._continued(request)
         if agent is None:
-            agent = AgentState(self._next_id, request.sched_arrival_time, turns=0)
+            agent = AgentState(self._next_id, request.sched_arrival_time, turns=0, program_id=request.program_id)
             self._next_id += 1
         else:
             # A later turn queues by its agent's arrival, as a session's resumed request keeps its
@@ -117,6 +118,35 @@ class AgentTracker:
         self._of_request[request.request_id] = agent
         self._forget_oldest()
         return agent
+
+    def _continued(self, request: Request) -> AgentState | None:
+        """The agent whose latest finished turn this request's prompt extends, if any. Linking
+        hands the request its agent's first arrival, a place in line ahead of everyone who came
+        since, so it takes evidence that an unrelated request does not have: the prompt reaches
+        past the earlier turn's own prompt into what that turn produced (a chain end's block and
+        the turn's tokens after it; a prompt's last full block alone is often the end of a system
+        prompt that every client of the tenant shares), that turn is its agent's latest, no other
+        request continued it already (a chain end is used once: a copy of the history is a fork,
+        not the same agent), and the client names the same program, if it names one."""
+        hashes = self.kv.full_block_hashes(request)
+        for end in range(len(hashes), 0, -1):
+            start = end * self.kv.block_size
+            for aid, tail in self._chain_ends.get(hashes[end - 1], ()):
+                agent = self._agents.get(aid)
+                if (agent is not None and agent.program_id == request.program_id
+                        and tuple(request.tokens_slice(start, start + len(tail))) == tail):
+                    self._drop_chain_ends(agent)
+                    return agent
+        return None
+
+    def _drop_chain_ends(self, agent: AgentState) -> None:
+        for h in agent.chain_ends:
+            rest = [e for e in self._chain_ends.get(h, ()) if e[0] != agent.agent_id]
+            if rest:
+                self._chain_ends[h] = rest
+            else:
+                self._chain_ends.pop(h, None)
+        agent.chain_ends = []
 
     def agent_of(self, request: Request) -> AgentState | None:
         return self._of_request.get(request.request_id)
@@ -147,11 +177,16 @@ class AgentTracker:
             self._let_go(agent)
         if request.status is RequestStatus.FINISHED_ABORTED:
             return False
+        self._drop_chain_ends(agent)
         hashes = self.kv.full_block_hashes(request)
-        computed = request.num_computed_tokens // self.kv.block_size
-        for end in {request.num_prompt_tokens // self.kv.block_size, computed}:
-            if 0 < end <= len(hashes):
-                self._chain_ends[hashes[end - 1]] = agent.agent_id
+        bs = self.kv.block_size
+        for stop in {request.num_tokens, request.num_computed_tokens}:
+            end = stop // bs
+            # Only a context that reaches into the turn's output: see _continued.
+            if stop > request.num_prompt_tokens and 0 < end <= len(hashes):
+                tail = tuple(request.tokens_slice(end * bs, stop))
+                self._chain_ends.setdefault(hashes[end - 1], []).append((agent.agent_id, tail))
+                agent.chain_ends.append(hashes[end - 1])
         agent.last_finish = now
         agent.awaiting_return = True
         self._watched.add(agent.agent_id)
@@ -216,10 +251,9 @@ class AgentTracker:
     def _forget_oldest(self) -> None:
         while len(self._agents) > self.max_agents:
             _, agent = self._agents.popitem(last=False)
+            self._drop_chain_ends(agent)
             if agent.context is not None:
                 self._let_go(agent)
-        if len(self._chain_ends) > 4 * self.max_agents:
-            self._chain_ends = {h: a for h, a in self._chain_ends.items() if a in self._agents}
 
 
 def _held(agent: AgentState) -> RetainedContext:
