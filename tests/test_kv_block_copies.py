@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from segue.model.kv_cache import KVCache, block_runs
@@ -59,3 +60,38 @@ def test_cpu_swaps_are_done_before_the_forward_pass() -> None:
     assert torch.equal(cache.k, want)
     handle.wait()
     assert torch.equal(cache.k, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("path", ["swap_out", "start_swaps"])
+def test_cuda_swap_out_and_back_is_bitwise_exact(path: str) -> None:
+    """A swap-out's device-to-host copy is asynchronous: the host pool must get the bytes once
+    they have landed, not whatever the landing buffer held when the CPU read it."""
+    torch.manual_seed(0)
+    # Tens of MB, queued behind a busy stream: a host read that does not wait would see the copy
+    # unfinished.
+    cache = KVCache(num_layers=4, num_kv_heads=8, head_dim=64, block_size=16, num_blocks=512, num_host_blocks=512,
+                    device=torch.device("cuda"), dtype=torch.bfloat16)
+    cache.k.copy_(torch.randn(cache.k.shape, device="cuda"))
+    cache.v.copy_(torch.randn(cache.v.shape, device="cuda"))
+    cache.host_k.zero_()
+    cache.host_v.zero_()
+    rng = random.Random(0)
+    device_ids, host_ids = rng.sample(range(512), 384), rng.sample(range(512), 384)
+    out_map = list(zip(device_ids, host_ids, strict=True))
+    want_k, want_v = cache.k[:, :, device_ids].cpu(), cache.v[:, :, device_ids].cpu()
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):
+        torch.mm(busy, busy)
+    if path == "swap_out":
+        cache.swap_out(out_map)
+    else:
+        cache.start_swaps([], out_map).wait()
+    assert torch.equal(cache.host_k[:, :, host_ids], want_k) and torch.equal(cache.host_v[:, :, host_ids], want_v)
+    # The host copy is the only one left: back into the device blocks, bit for bit.
+    cache.k.zero_()
+    cache.v.zero_()
+    cache.start_swaps([(h, d) for d, h in out_map], []).wait()
+    torch.cuda.synchronize()
+    assert torch.equal(cache.k[:, :, device_ids].cpu(), want_k) and torch.equal(cache.v[:, :, device_ids].cpu(), want_v)

@@ -41,20 +41,33 @@ class KVCache:
         vs.index_copy_(1, slot_mapping, v.transpose(0, 1).to(vs.dtype))
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
-        """Copy device blocks to host blocks: mapping is [(device_id, host_id)]."""
+        """Copy device blocks to host blocks: mapping is [(device_id, host_id)]. Done on return."""
+        self._start_swap_out(mapping).finish()
+
+    def _start_swap_out(self, mapping: list[tuple[int, int]]) -> _HostWrites:
+        """Start a swap-out on the current stream; the host blocks hold the data once the returned
+        writes are finished. On a CPU it is done here."""
         if not mapping:
-            return
+            return _HostWrites()
         if not self.k.is_cuda:
             _copy_blocks(self.host_k, self.k, mapping)
             _copy_blocks(self.host_v, self.v, mapping)
-            return
+            return _HostWrites()
         src = torch.tensor([d for d, _ in mapping], device=self.k.device)
         dst = torch.tensor([h for _, h in mapping])
+        writes = _HostWrites()
         for cache, host in ((self.k, self.host_k), (self.v, self.host_v)):
             staged = cache.index_select(2, src)
-            if staged.is_cuda:
-                staged = staged.to("cpu", non_blocking=True)
-            host.index_copy_(2, dst, staged)
+            # A non-blocking copy to the host returns before the bytes land: a CPU read of its
+            # result (the index_copy_ into the host pool) would take whatever was there before,
+            # and the swapped-out context would come back corrupted. The copy lands in pinned
+            # memory of its own, read only after the event below says it is complete.
+            landing = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            landing.copy_(staged, non_blocking=True)
+            writes.pending.append((host, dst, landing))
+        writes.event = torch.cuda.Event()
+        writes.event.record(torch.cuda.current_stream(self.k.device))
+        return writes
 
     def back_up(self, mapping: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks now, before anything else in the step (write-back of
@@ -100,10 +113,16 @@ class KVCache:
             stream.wait_stream(torch.cuda.current_stream(self.k.device))
             with torch.cuda.stream(stream):
                 self.swap_in(swap_in)
-                self.swap_out(swap_out)
+                # The host pool gets the swapped-out bytes at wait(), when they have landed: no
+                # swap-in reads those host blocks before a later step.
+                writes = self._start_swap_out(swap_out)
                 event = torch.cuda.Event()
                 event.record(stream)
-            return SwapHandle(event.synchronize)
+
+            def wait() -> None:
+                event.synchronize()
+                writes.finish()
+            return SwapHandle(wait)
         self.swap_in(swap_in)
         self.swap_out(swap_out)
         return SwapHandle(None)
@@ -129,6 +148,24 @@ def _copy_blocks(dst: torch.Tensor, src: torch.Tensor, mapping: list[tuple[int, 
     copies at 8 GB/s (BENCHMARKS.md), which is what a swap costs the step beside it on a CPU."""
     for s, d, n in block_runs(mapping):
         dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
+
+
+class _HostWrites:
+    """A swap-out's device-to-host copies in flight: each lands in a pinned tensor, then goes into
+    its host pool once `event` (recorded after the copies) has completed."""
+
+    def __init__(self) -> None:
+        # (host pool, its block ids, the blocks as they land)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.event: torch.cuda.Event | None = None
+
+    def finish(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        for host, dst, landed in self.pending:
+            host.index_copy_(2, dst, landed)
+        self.pending = []
+        self.event = None
 
 
 class SwapHandle:
