@@ -113,6 +113,11 @@ class _SamplingRequest(_Request):
     def output_spec(self) -> StructuredSpec | None:
         return output_spec(self.response_format, self.guided_json, self.guided_regex, self.guided_choice)
 
+    @property
+    def output_param(self) -> str:
+        """The field whose schema a JSON answer must match (output_spec: never both), for errors."""
+        return "response_format" if self.response_format is not None else "guided_json"
+
     def _sampling_params(self, max_tokens: int, logprobs: int | None,
                          defaults: dict[str, Any] | None = None) -> SamplingParams:
         """`defaults`: the model's recommended sampling settings (generation_defaults.py), used for

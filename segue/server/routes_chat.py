@@ -119,8 +119,10 @@ async def chat_completions(request: Request) -> Response:
     ctx.check_model(body.model)
     body.check_supported()
     # With tools, a response_format constrains the answer that is not a call (the grammar offers both).
-    setup = resolve_tools(body.tools, body.tool_choice, ctx.tools, body.output_spec())
-    if setup.constraint is None and body.output_spec() is None and _talks_about_tools(body):
+    answer = body.output_spec()
+    setup = resolve_tools(body.tools, body.tool_choice, ctx.tools, answer)
+    setup.answer, setup.answer_param = answer, body.output_param
+    if setup.constraint is None and answer is None and _talks_about_tools(body):
         setup.constraint = no_call_grammar()
     if body.num_choices > 1 and setup.client_names:
         raise APIError(400, "n > 1 cannot be combined with client-side tools: a tool call pauses its choice "

@@ -29,6 +29,8 @@ from segue.server.streaming import (
     sse,
     unless_disconnected,
 )
+from segue.server.structured_formats import check_answer
+from segue.structured import StructuredSpec
 
 router = APIRouter()
 ENDPOINT = "/v1/completions"
@@ -109,8 +111,9 @@ async def completions(request: Request) -> Response:
         await _close_all(streams)
         timing.close()
         raise
+    spec = body.output_spec()
     if body.stream:
-        return SSEResponse(_stream(ctx, body, outputs, deadline, timing, rid, created))
+        return SSEResponse(_stream(ctx, body, spec, outputs, deadline, timing, rid, created))
     try:
         finals = await unless_disconnected(request, gather_all([_last(o, i, deadline, timing)
                                                                 for i, o in enumerate(outputs)]))
@@ -122,6 +125,7 @@ async def completions(request: Request) -> Response:
     choices = []
     for i, final in enumerate(finals):
         c = checked(final)
+        check_answer(spec, c.text, c.finish_reason, body.output_param)
         choices.append(_chunk(ctx, rid, created, i, final, c.text, c.logprobs))
     response = r.CompletionResponse(id=rid, created=created, model=ctx.model_name, choices=choices,
                                     usage=_usage(finals))
@@ -149,10 +153,13 @@ async def _deadlined(outputs: Prepended, deadline: Deadline) -> AsyncIterator[Re
             return
 
 
-async def _stream(ctx: ServingContext, body: CompletionRequest, outputs: list[Prepended],
-                  deadline: Deadline, timing: _Timing, rid: str, created: int) -> AsyncIterator[str]:
+async def _stream(ctx: ServingContext, body: CompletionRequest, spec: StructuredSpec | None,
+                  outputs: list[Prepended], deadline: Deadline, timing: _Timing, rid: str,
+                  created: int) -> AsyncIterator[str]:
     """SSE chunks built from text and logprob deltas of the cumulative outputs (logprobs wait for the
-    chunk that carries their text), each tagged with its choice's index, then usage, [DONE]."""
+    chunk that carries their text), each tagged with its choice's index, then usage, [DONE]. A
+    choice whose finished answer breaks its schema gets no final chunk: an error event ends the
+    stream instead."""
     sent_text, sent_lps = [0] * len(outputs), [0] * len(outputs)
     finals: dict[int, RequestOutput] = {}
     merged = merge_streams([_deadlined(o, deadline) for o in outputs])
@@ -160,6 +167,8 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, outputs: list[Pr
         async for i, out in merged:
             timing.saw(out, i)
             c = checked(out)
+            if out.finished:
+                check_answer(spec, c.text, c.finish_reason, body.output_param)
             delta = c.text[sent_text[i]:]
             if delta or out.finished:
                 lps = c.logprobs[sent_lps[i]:] if c.logprobs is not None else None

@@ -28,6 +28,7 @@ from segue.server.limits import Deadline
 from segue.server.responses import Usage
 from segue.server.sessions import HeldRequest
 from segue.server.streaming import Prepended, checked
+from segue.server.structured_formats import check_answer
 from segue.tools.parser import ToolCallParser
 from segue.tools.spec import ToolCall
 
@@ -99,6 +100,10 @@ class ChatTurn:
                 delta = Delta(self._content(c, out), self._logprobs(c))
                 if delta.content or delta.logprobs:
                     yield delta
+                if out.finished or _ended_turn(out):
+                    # Before the end is reported or held: an answer that breaks its schema ends
+                    # the turn in an error, and the request is aborted rather than kept.
+                    check_answer(self.setup.answer, self._segment(c), c.finish_reason, self.setup.answer_param)
                 if out.finished:
                     yield self._end(out, c.finish_reason or "stop")
                     return
