@@ -8,6 +8,7 @@ import sys
 from segue.cluster import DEFAULT_ENGINE_RESTARTS
 from segue.config import ConfigError
 from segue.engine_args import add_engine_args, engine_config_from_args
+from segue.server.launch import DEFAULT_KEEP_ALIVE_S
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -46,15 +47,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from segue import profiler
     from segue.engine import LLMEngine
-    from segue.sched.cost_model import default_profile_path
+    from segue.executor.loading import profile_key, profile_path
 
     config = engine_config_from_args(args)
     config.scheduler.max_num_batched_tokens = max(config.scheduler.max_num_batched_tokens, 1024)
     engine = LLMEngine(config)
     grid = {"cpu": profiler.CPU_GRID, "cuda": profiler.CUDA_GRID, "tiny": profiler.TINY_GRID}.get(args.grid)
     cost, report = profiler.profile(engine, repeats=args.repeats, grid=grid, timer=args.timer)
-    path = args.output or default_profile_path(cost.device)
-    profiler.save_profile(path, cost, report)
+    key = profile_key(config, engine.executor)
+    path = args.output or profile_path(key)
+    profiler.save_profile(path, cost, report, key)
     fit = report.fit
     print("| step | tokens | context | attended pairs | seqs | measured (ms) | fit (ms) | error |\n"
           "|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -128,11 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-restarts", type=int, default=DEFAULT_ENGINE_RESTARTS,
                        help="when --engines > 1: how many times Ray restarts a crashed engine replica "
                        "(rebuilding its engine) before it stays down; 0 disables restarts")
+    serve.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_KEEP_ALIVE_S, metavar="SECONDS",
+                       help="how long an idle HTTP connection stays open; keep it above your clients' "
+                       f"keep-alive expiry (default: {DEFAULT_KEEP_ALIVE_S})")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     prof = sub.add_parser("profile", help="measure T_fwd, the saturation point and swap bandwidth")
-    prof.add_argument("--output", default=None, help="profile JSON (default: ~/.cache/segue/profile-<device>.json)")
+    prof.add_argument("--output", default=None,
+                      help="profile JSON (default: the one the engine looks for, keyed by this machine, model and "
+                      "threads: profiles/profile-<device>-<key>.json under $SEGUE_CACHE_DIR or ~/.cache/segue)")
     prof.add_argument("--repeats", type=int, default=None, help="repeats per prefill size (default: the grid's)")
     prof.add_argument("--grid", default="auto", choices=["auto", "cpu", "cuda", "tiny"],
                       help="which steps to time (auto: by device; see segue/profiler.py)")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import Any
 
 from segue.config import EngineConfig
 
@@ -11,6 +12,23 @@ logger = logging.getLogger(__name__)
 # Seconds uvicorn lets open responses finish after a shutdown signal before cancelling them
 # (which aborts their engine requests); long agent streams must not hold a restart hostage.
 GRACEFUL_SHUTDOWN_S = 10
+# Seconds an idle connection stays open. An agent's next request comes after its tool ran; if the
+# server closes the connection just as the client reuses it, the request fails with a connection
+# error (uvicorn's default, 5 s, is httpx's and so the openai SDK's expiry too). Above what clients
+# keep idle connections for (httpx 5 s, Node 4 s, aiohttp 15 s, Go 90 s), the client always gives
+# up on a connection first. An idle connection costs a socket, nothing in the engine.
+DEFAULT_KEEP_ALIVE_S = 120
+
+
+def uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
+    """uvicorn's settings for `segue serve` (a uvicorn.Config)."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app, host=getattr(args, "host", None) or "127.0.0.1", port=getattr(args, "port", None) or 8000,
+        log_level=str(getattr(args, "log_level", "info")).lower(), lifespan="on",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=getattr(args, "timeout_keep_alive", None) or DEFAULT_KEEP_ALIVE_S)
 
 
 def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
@@ -23,6 +41,10 @@ def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
 
     host = getattr(args, "host", None) or "127.0.0.1"
     port = getattr(args, "port", None) or 8000
+    keep_alive = getattr(args, "timeout_keep_alive", None)
+    if keep_alive is not None and keep_alive < 1:
+        logger.error("--timeout-keep-alive must be at least 1 second, got %d", keep_alive)
+        return 2
     try:
         server_config, tools = load_server_config(getattr(args, "config", None))
     except ServerConfigError as e:
@@ -50,9 +72,7 @@ def run_server(config: EngineConfig, args: argparse.Namespace) -> int:
                 " with API keys" if server_config.api_keys else "", ", ".join(tools.names()) or "none")
     if not server_config.api_keys and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s without API keys: anyone who can reach it can use it", host)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=host, port=port, log_level=str(getattr(args, "log_level", "info")).lower(),
-        lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    server = uvicorn.Server(uvicorn_config(app, args))
     try:
         server.run()
     except SystemExit as e:  # uvicorn exits this way when it cannot bind the port
