@@ -95,6 +95,7 @@ class SchedulerConfig:
 
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+ATTENTION_BACKENDS = ("auto", "native", "sdpa", "sdpa-mask")
 
 
 @dataclass
@@ -116,6 +117,10 @@ class ModelLoadConfig:
     # prefill is slower. Off by default, as in vLLM: then batches above the quantized range run a
     # GEMM over the same dequantized weights, and only the summation order differs.
     batch_invariant: bool = False
+    # Attention backend per kind of work (decode, prefill from 0, extend over cached context):
+    # "auto" is measured on CPU among the native kernels and torch's (segue/model/attention_table.py);
+    # "native", "sdpa" or "sdpa-mask" force one wherever it is correct.
+    attention_backend: str = "auto"
     # Sampling settings for the fields a request leaves out: "auto" the model's recommended ones
     # (segue/generation_defaults.py), "none" the OpenAI API's (temperature 1, top_p 1), or a
     # directory holding a generation_config.json — vLLM's --generation-config.
@@ -126,6 +131,8 @@ class ModelLoadConfig:
             raise ConfigError(f"unknown dtype {self.dtype!r} (auto, float32, bfloat16, float16)")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"unknown quantization {self.quantization!r} ({', '.join(QUANTIZATIONS)})")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"unknown attention backend {self.attention_backend!r} ({', '.join(ATTENTION_BACKENDS)})")
 
 
 @dataclass

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from segue.config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+from segue.config import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    CacheConfig,
+    EngineConfig,
+    ModelLoadConfig,
+    SchedulerConfig,
+)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -21,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-invariant", action="store_true",
                    help="the same kernels at every batch size, so a request's output does not depend on "
                         "the load (CPU, native kernels; int8 unless --quantization int4; slower prefill)")
+    g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                   help="attention kernels (auto: on CPU, per kind and length the fastest of the native "
+                        "kernels and torch's SDPA as measured on this machine; see `segue bench kernels`)")
     g.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
                    help="sampling settings for fields a request leaves out: the model's recommended "
                         "ones (auto), the OpenAI API defaults (none), or a directory's "
@@ -63,7 +74,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=ModelLoadConfig(model=args.model, dtype=args.dtype, device=args.device,
                               served_model_name=args.served_model_name, quantization=args.quantization,
                               generation_config=args.generation_config,
-                              batch_invariant=getattr(args, "batch_invariant", False)),
+                              batch_invariant=getattr(args, "batch_invariant", False),
+                              attention_backend=getattr(args, "attention_backend", "auto")),
         cache=CacheConfig(block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
                           kv_cache_bytes=args.kv_cache_bytes, swap_space_tokens=args.swap_space_tokens,
                           kv_cache_dtype=args.kv_cache_dtype,

@@ -77,7 +77,7 @@ def _decode_over_cache(model: LlamaModel, prompt: list[int], n: int, forced: lis
         meta.prefill_start_pos = torch.tensor([0])
         meta.prefill_block_tables = table[:cdiv(p, block_size)].view(1, -1)
     else:
-        meta.prefills = [PrefillChunk(0, p, 0, table[:cdiv(p, block_size)], None)]
+        meta.prefills = [PrefillChunk(0, p, 0, table[:cdiv(p, block_size)])]
     hidden = model.forward(torch.tensor(prompt, device=dev), torch.arange(p, device=dev), meta, cache)
     rows = [model.compute_logits(hidden[-1:]).float().cpu()]
     for i in range(n - 1):

@@ -50,15 +50,21 @@ def test_mixed_prompt_lengths(tiny, torch_attention):
     check_against_hf(make_engine(path, torch_attention=torch_attention), model, prompts(0, 8))
 
 
-def test_chunked_prefill(tiny):
+# Every backend the measured plan can pick for a kind of attention ("auto": this machine's choice).
+ATTENTION = pytest.mark.parametrize("attention", ["auto", "native", "sdpa", "sdpa-mask"])
+
+
+@ATTENTION
+def test_chunked_prefill(tiny, attention):
     path, model = tiny
-    engine = make_engine(path, budget=7, block_size=4)
+    engine = make_engine(path, budget=7, block_size=4, attention=attention)
     check_against_hf(engine, model, prompts(1, 5))
 
 
-def test_prefix_cache_hits(tiny):
+@ATTENTION
+def test_prefix_cache_hits(tiny, attention):
     path, model = tiny
-    engine = make_engine(path, block_size=4)
+    engine = make_engine(path, block_size=4, attention=attention)
     batch = prompts(2, 4, shared_prefix=40)
     check_against_hf(engine, model, batch[:1])
     results = check_against_hf(engine, model, batch[1:] + batch[:1])

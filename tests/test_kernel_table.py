@@ -2,6 +2,7 @@
 the on-disk cache that must never hand a table to another machine."""
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -101,22 +102,32 @@ def test_measured_once_then_cached_under_this_machines_key(tmp_path, monkeypatch
     measured = []
     real = kt.measure
 
-    def counting(config, kernels, key):
+    def counting(config, kernels, key, noisy=False):
         measured.append(key)
-        return real(config, kernels, key)
+        table = real(config, kernels, key)
+        table.noisy = noisy  # as if measured on a quiet machine (or, with noisy=True, a busy one)
+        return table
 
+    monkeypatch.setattr(kt, "measure", functools.partial(counting, noisy=True))
+    kt._memo.clear()
+    busy = kt.kernel_table(TINY, None)
+    assert kt.kernel_table(TINY, None) is busy and len(measured) == 1   # this process keeps its own
+    kt._memo.clear()
     monkeypatch.setattr(kt, "measure", counting)
-    first = kt.kernel_table(TINY, None)
-    assert len(measured) == 1
+    first = kt.kernel_table(TINY, None)   # a new process: a table timed on a busy machine is not trusted
+    assert len(measured) == 2
+    measured.clear()
     assert set(first.timings_ms) == {"layers", "lm_head"}
     assert set(first.timings_ms["layers"]["float32"]) == set(kt.ROWS)
-    assert kt.kernel_table(TINY, None) == first and len(measured) == 1   # from the cache
+    kt._memo.clear()
+    assert kt.kernel_table(TINY, None) == first and len(measured) == 0   # from the cache
     # A file whose key is another machine's is never used, even under this machine's name.
     (path,) = (tmp_path / "kernel_tables").glob("*.json")
     raw = json.loads(path.read_text())
     raw["key"]["flags"] = "another-cpu"
     path.write_text(json.dumps(raw))
-    assert kt.kernel_table(TINY, None).key == first.key and len(measured) == 2
+    kt._memo.clear()
+    assert kt.kernel_table(TINY, None).key == first.key and len(measured) == 1
 
 
 def test_the_compiled_module_is_named_by_cpu_and_compiler_flags(monkeypatch):
@@ -192,7 +203,19 @@ def test_nothing_is_measured_when_the_configuration_decides_everything(monkeypat
     assert (plan.dtype, plan.quantization) == (torch.float32, Quantization.NONE)
 
 
-def test_cpu_identity_without_proc_uses_torchs_dispatch_level(monkeypatch):
+def test_cpu_identity_follows_what_the_compiler_targets(monkeypatch):
+    """Two CPUs the compiler builds different code for never share a key, whatever /proc says
+    (on aarch64 /proc/cpuinfo has no model name or flags line)."""
+    kt.cpu_identity.cache_clear()
+    monkeypatch.setattr(kt, "_compiler_target", lambda: "sve2-neon")
+    arm = kt.cpu_identity()
+    kt.cpu_identity.cache_clear()
+    monkeypatch.setattr(kt, "_compiler_target", lambda: "neon")
+    assert kt.cpu_identity()["flags"] != arm["flags"]
+    kt.cpu_identity.cache_clear()
+
+
+def test_cpu_identity_without_compiler_or_proc_uses_torchs_dispatch_level(monkeypatch):
     import builtins
     real_open = builtins.open
 
@@ -201,7 +224,11 @@ def test_cpu_identity_without_proc_uses_torchs_dispatch_level(monkeypatch):
             raise FileNotFoundError(path)
         return real_open(path, *args, **kwargs)
 
+    monkeypatch.setattr(kt, "_compiler_target", lambda: None)
+    kt.cpu_identity.cache_clear()
     with_proc = kt.cpu_identity()
     monkeypatch.setattr(builtins, "open", no_proc)
+    kt.cpu_identity.cache_clear()
     without = kt.cpu_identity()
+    kt.cpu_identity.cache_clear()
     assert without["flags"] and without["flags"] != with_proc["flags"]

@@ -2,11 +2,14 @@
 chat template, and the step-cost model the scheduler plans with."""
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from segue.config import EngineConfig
 from segue.executor.base import Executor
-from segue.sched.cost_model import CostModel, default_profile_path
+from segue.sched.cost_model import CostModel
 
 
 class LoadedModel(NamedTuple):
@@ -38,15 +41,46 @@ def load_model(config: EngineConfig) -> LoadedModel:
     fixed = config.model.dtype != "auto" and config.model.quantization == "none"
     ckpt = load_checkpoint(config.model.model, dtype=DTYPES[config.model.dtype] if fixed else torch.float32)
     plan = plan_kernels(config.model, ckpt.config, device, kernels, ckpt.weights)
-    executor = ModelExecutor(ckpt, config.cache, device, plan, kernels)
+    executor = ModelExecutor(ckpt, config.cache, device, plan, kernels, config.model.attention_backend)
     return LoadedModel(executor, ckpt.tokenizer, ckpt.config, ckpt.name, ckpt.chat_template)
 
 
+def profile_key(config: EngineConfig, executor: Executor) -> dict[str, str]:
+    """What a `segue profile`'s step times depend on, keyed as the kernel table is: the CPU (its
+    model and flags; it also drives a GPU), the device, the checkpoint and its shapes, the dtype
+    and quantization the plan chose, the threads and torch. Loaded under another of these, a
+    profile charges steps this engine does not run, and the scheduler plans by them."""
+    import torch
+
+    from segue.model import kernel_table
+
+    model = getattr(executor, "config", None)
+    shapes = "unknown" if model is None else ",".join(map(str, (
+        model.hidden_size, model.intermediate_size, model.num_layers, model.num_heads, model.num_kv_heads,
+        model.head_dim, model.vocab_size)))
+    name = config.model.model
+    return {**kernel_table.cpu_identity(), "device": getattr(executor, "device_name", "cpu"),
+            "checkpoint": str(Path(name).resolve()) if name and Path(name).exists() else name or "default",
+            "shapes": shapes, "dtype": str(getattr(executor, "dtype", "")),
+            "quantization": str(getattr(getattr(executor, "quantization", ""), "value", "")),
+            "threads": str(torch.get_num_threads()), "torch": torch.__version__}
+
+
+def profile_path(key: dict[str, str]) -> Path:
+    """Where the profile of this key is saved and looked for, beside the kernel tables (under
+    SEGUE_CACHE_DIR when set)."""
+    from segue.model.kernel_table import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir().parent / "profiles" / f"profile-{key['device']}-{digest}.json"
+
+
 def engine_cost_model(config: EngineConfig, executor: Executor) -> CostModel:
-    """The configured profile, else this device's saved `segue profile` output, else the built-in
-    defaults; the KV bytes per token always come from the executor's real cache."""
+    """The configured profile, else the saved `segue profile` output of this machine, model and
+    thread count, else the built-in defaults; the KV bytes per token always come from the
+    executor's real cache."""
     device = getattr(executor, "device_name", "cpu")
-    path = config.scheduler.profile_path or default_profile_path(device)
+    path = config.scheduler.profile_path or profile_path(profile_key(config, executor))
     try:
         cost = CostModel.load(path)
     except FileNotFoundError:

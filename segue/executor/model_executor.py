@@ -13,6 +13,8 @@ from segue.executor.base import Executor, SampledToken
 from segue.executor.kernel_plan import DTYPES, KernelPlan
 from segue.kv.manager import cdiv
 from segue.model.attention import AttentionMetadata, PrefillChunk
+from segue.model.attention_backends import AttentionBackend, AttentionKind, causal_mask
+from segue.model.attention_table import AttentionPlan, plan_attention
 from segue.model.kv_cache import KVCache
 from segue.model.llama import LlamaModel
 from segue.model.loader import LoadedCheckpoint
@@ -24,9 +26,11 @@ logger = logging.getLogger(__name__)
 
 class ModelExecutor(Executor):
     def __init__(self, ckpt: LoadedCheckpoint, cache: CacheConfig, device: torch.device, plan: KernelPlan,
-                 kernels: ModuleType | None = None) -> None:
+                 kernels: ModuleType | None = None, attention: AttentionPlan | str = "auto") -> None:
         """`kernels`: the native CPU module (segue.model.cpu_kernels), None on CUDA or without a
-        compiler; `plan`: the dtype and kernels per batch size (segue.executor.kernel_plan)."""
+        compiler; `plan`: the dtype and kernels per batch size (segue.executor.kernel_plan);
+        `attention`: the attention backend per kind and length, or a backend's name to plan
+        (segue.model.attention_table: "auto" is measured on CPU)."""
         self.device = device
         dtype = self.dtype = plan.dtype
         self.config = ckpt.config
@@ -56,20 +60,38 @@ class ModelExecutor(Executor):
                                 self.num_device_blocks, self.num_host_blocks, device, self.kv_dtype)
         # Requests whose next sampled token should carry its hidden state (want_hidden_states).
         self._hidden_for: frozenset[str] = frozenset()
-        self.decode_kernel = kernels
-        # The native prefill kernel is written for 64-wide heads (the default model's).
-        self.prefill_kernel = kernels if kernels is not None and cfg.head_dim == 64 else None
+        self.kernels = kernels
+        self.attention = attention if isinstance(attention, AttentionPlan) else \
+            plan_attention(cfg, dtype, self.kv_dtype, device, kernels, attention)
+        logger.info("attention: %s", self.attention.describe())
         logger.info("KV cache: %d device blocks (%d tokens, %.0f MiB, %s), %d host blocks",
                     self.num_device_blocks, self.num_device_blocks * cache.block_size,
                     self.num_device_blocks * block_bytes / 2**20, str(self.kv_dtype).removeprefix("torch."),
                     self.num_host_blocks)
 
-    def _build_metadata(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _order(self, seqs: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, AttentionBackend]]:
+        """Each sequence with its attention backend, in the row order paged_attention takes:
+        decodes, then chunks that run the native prefill kernel (one varlen call), then the rest."""
+        decodes = [s for s in seqs if s.num_tokens == 1]
+        order: list[tuple[ScheduledSeq, AttentionBackend]] = []
+        if decodes:
+            context = max(s.start_pos + 1 for s in decodes)
+            backend = self.attention.backend(AttentionKind.DECODE, 1, context)
+            order += [(s, backend) for s in decodes]
+        chunks = []
+        for s in seqs:
+            if s.num_tokens != 1:
+                kind = AttentionKind.EXTEND if s.start_pos else AttentionKind.PREFILL
+                chunks.append((s, self.attention.backend(kind, s.num_tokens, s.start_pos)))
+        return order + sorted(chunks, key=lambda c: c[1] is not AttentionBackend.NATIVE)
+
+    def _build_metadata(self, order: list[tuple[ScheduledSeq, AttentionBackend]]
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        for seq in seqs:
+        for seq, _ in order:
             table = seq.block_table
             for j, tok in enumerate(seq.token_ids):
                 pos = seq.start_pos + j
@@ -78,7 +100,7 @@ class ModelExecutor(Executor):
                 slots.append(table[pos // bs] * bs + pos % bs)
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev))
-        decodes = [s for s in seqs if s.num_tokens == 1]
+        decodes = [s for s, _ in order if s.num_tokens == 1]
         meta.num_decodes = len(decodes)
         if decodes:
             max_blocks = max(cdiv(s.start_pos + 1, bs) for s in decodes)
@@ -87,15 +109,23 @@ class ModelExecutor(Executor):
             meta.decode_blocks = torch.tensor(padded, device=dev).view(-1)
             ctx = torch.tensor([s.start_pos + 1 for s in decodes], device=dev)
             meta.decode_context_lens = ctx
-            meta.decode_kernel = self.decode_kernel
-            if self.decode_kernel is None:
+            if order[0][1] is AttentionBackend.NATIVE:
+                meta.decode_kernel = self.kernels
+            else:
                 key_pos = torch.arange(max_blocks * bs, device=dev)
                 meta.decode_mask = (key_pos[None, :] < ctx[:, None]).view(len(decodes), 1, 1, -1)
-        prefills = [s for s in seqs if s.num_tokens != 1]
-        if prefills and self.prefill_kernel is not None:
-            self._native_prefill_metadata(meta, prefills)
-        else:
-            self._torch_prefill_metadata(meta, prefills)
+        chunks = order[meta.num_decodes:]
+        native = [s for s, b in chunks if b is AttentionBackend.NATIVE]
+        if native:
+            self._native_prefill_metadata(meta, native)
+        row = meta.num_decodes + sum(s.num_tokens for s in native)
+        for s, backend in chunks[len(native):]:
+            ctx_len = s.start_pos + s.num_tokens
+            mask = causal_mask(s.start_pos, s.num_tokens, dev) if backend is AttentionBackend.SDPA_MASK \
+                and s.start_pos else None
+            block_ids = torch.tensor(s.block_table[:cdiv(ctx_len, bs)], device=dev)
+            meta.prefills.append(PrefillChunk(row, row + s.num_tokens, s.start_pos, block_ids, backend, mask))
+            row += s.num_tokens
         input_ids = torch.tensor(ids, device=dev)
         pos_t = torch.tensor(positions, device=dev)
         return input_ids, pos_t, meta
@@ -109,22 +139,10 @@ class ModelExecutor(Executor):
             table = s.block_table[:cdiv(s.start_pos + s.num_tokens, bs)]
             tables.append(table)
             max_blocks = max(max_blocks, len(table))
-        meta.prefill_kernel = self.prefill_kernel
+        meta.prefill_kernel = self.kernels
         meta.prefill_query_start = torch.tensor(starts)
         meta.prefill_start_pos = torch.tensor([s.start_pos for s in prefills])
         meta.prefill_block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
-
-    def _torch_prefill_metadata(self, meta: AttentionMetadata, prefills: list[ScheduledSeq]) -> None:
-        bs, dev, row = self.block_size, self.device, meta.num_decodes
-        for s in prefills:
-            ctx_len = s.start_pos + s.num_tokens
-            mask = None
-            if s.start_pos > 0:
-                q_pos = torch.arange(s.start_pos, ctx_len, device=dev)
-                mask = torch.arange(ctx_len, device=dev)[None, :] <= q_pos[:, None]
-            block_ids = torch.tensor(s.block_table[:cdiv(ctx_len, bs)], device=dev)
-            meta.prefills.append(PrefillChunk(row, row + s.num_tokens, s.start_pos, block_ids, mask))
-            row += s.num_tokens
 
     def want_hidden_states(self, request_ids: Collection[str]) -> bool:
         self._hidden_for = frozenset(request_ids)
@@ -150,9 +168,9 @@ class ModelExecutor(Executor):
     def _run(self, out: SchedulerOutput, hidden_for: frozenset[str] = frozenset()) -> dict[str, SampledToken]:
         if not out.seqs:
             return {}
-        # Decodes first: the attention kernel takes them as one contiguous batch.
-        seqs = sorted(out.seqs, key=lambda s: s.num_tokens != 1)
-        input_ids, positions, meta = self._build_metadata(seqs)
+        order = self._order(out.seqs)
+        seqs = [s for s, _ in order]
+        input_ids, positions, meta = self._build_metadata(order)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
         rows, sampled_seqs, row = [], [], 0
         for s in seqs:

@@ -26,6 +26,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from segue.model import timing
 from segue.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -45,29 +46,55 @@ HEAD_ROWS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 QUANT_MAX_ROWS = 512
 DTYPES = ("float32", "bfloat16")
 # Changes whenever the way of measuring does: tables measured another way are measured again.
-TABLE_METHOD = "interleaved-streamed-median-2-rows-1-2-4"
+TABLE_METHOD = "interleaved-streamed-median-2-rows-1-2-4-stable"
 # Batches up to this many rows are timed over weight sets totalling at least STREAMED_BYTES (in
 # fp32), more than any CPU's last-level cache, as the model's layers are.
 STREAMED_MAX_ROWS = 128
 STREAMED_BYTES = 512 << 20
 
 
+def _compiler_target() -> str | None:
+    """A digest of what `-march=native` compiles for here (the compiler's predefined macros): the
+    instruction sets the native kernels use, on every architecture, where /proc/cpuinfo's flags
+    line exists only on x86 (on aarch64 every CPU would share one key, and a build for one could
+    die of SIGILL on another). None without a compiler (then no native kernels are built either)."""
+    import shutil
+    import subprocess
+
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        return None
+    try:
+        macros = subprocess.run([compiler, "-march=native", "-dM", "-E", "-x", "c++", os.devnull],
+                                capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.info("could not ask %s what -march=native targets (%s); keying by /proc/cpuinfo", compiler, e)
+        return None
+    return hashlib.sha256("\n".join(sorted(macros.splitlines())).encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
 def cpu_identity() -> dict[str, str]:
-    """The CPU's model name and a digest of its feature flags (what -march=native compiles for)."""
-    model, flags = platform.processor() or platform.machine(), ""
+    """The CPU's model name and a digest of what the native kernels are compiled for on it."""
+    model, flags = "", ""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
-                if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line.split(":", 1)[1].strip()
+                name, _, value = line.partition(":")
+                name = name.strip()
+                # x86 names its model; aarch64 gives an implementer and part number per core.
+                if name in ("model name", "Hardware", "CPU implementer", "CPU part") and value.strip() not in model:
+                    model = f"{model} {value.strip()}".strip() if name != "model name" else value.strip()
+                elif name in ("flags", "Features") and not flags:
+                    flags = value.strip()
     except OSError:  # no /proc (macOS, Windows): torch's dispatch level stands in for the flags
         import torch
 
         flags = f"torch-capability {torch.backends.cpu.get_cpu_capability()}"
-    return {"cpu": model, "machine": platform.machine(),
-            "flags": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]}
+    target = _compiler_target()
+    digest = target or hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]
+    return {"cpu": model or platform.processor() or platform.machine(), "machine": platform.machine(),
+            "flags": digest}
 
 
 @dataclass
@@ -75,6 +102,8 @@ class KernelTable:
     key: dict[str, str]
     # op ("layers": one decoder layer's four projections; "lm_head") -> candidate -> {rows: ms}
     timings_ms: dict[str, dict[str, dict[int, float]]]
+    # Timed while the machine was busy or its rounds never agreed: used, but measured again next start.
+    noisy: bool = False
 
     def best(self, op: str, rows: int, candidates: tuple[str, ...]) -> str:
         """The fastest candidate at the smallest timed row count >= rows (the largest if none)."""
@@ -114,7 +143,7 @@ class KernelTable:
         raw = json.loads(text)
         timings = {op: {c: {int(r): float(ms) for r, ms in rows.items()} for c, rows in cands.items()}
                    for op, cands in raw["timings_ms"].items()}
-        return cls(raw["key"], timings)
+        return cls(raw["key"], timings, bool(raw.get("noisy", False)))
 
     def format(self) -> str:
         lines = []
@@ -126,26 +155,6 @@ class KernelTable:
                 cells = "".join(f"{cands[c][r]:11.3f}" if r in cands[c] else f"{'-':>11}" for c in cands)
                 lines.append(f"  {r:<8}" + cells + "   " + self.best(op, r, tuple(cands)))
         return "\n".join(lines)
-
-
-def _time_interleaved(candidates: dict[str, list[Callable[[], object]]], reps: int) -> dict[str, float]:
-    """Median ms of one call of each candidate. Candidates take turns call by call, so a spell of
-    another process's load falls on all of them alike instead of on whichever was being timed;
-    the median, not the mean, because on a small machine another process's time slice stalls an
-    OpenMP region now and then (seen: 8 ms on a 0.2 ms call)."""
-    for calls in candidates.values():
-        for call in calls:
-            call()  # warm-up: first-touch of buffers, oneDNN's kernel selection
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    width = max(len(calls) for calls in candidates.values())
-    for _ in range(reps):
-        for i in range(width):
-            for name, calls in candidates.items():
-                if i < len(calls):
-                    t0 = time.perf_counter()
-                    calls[i]()
-                    times[name].append(time.perf_counter() - t0)
-    return {name: sorted(ts)[len(ts) // 2] * 1000 for name, ts in times.items()}
 
 
 def _call_each(fs: Sequence[Callable[[Any], object]], xs: Sequence[Any]) -> list[object]:
@@ -198,18 +207,27 @@ def measure(config: ModelConfig, kernels: ModuleType | None, key: dict[str, str]
             calls: dict[str, list[Callable[[], object]]] = {
                 name: [functools.partial(_call_each, fs, xs[name]) for fs in layers[:n]]
                 for name, layers in built.items() if name in DTYPES or rows <= QUANT_MAX_ROWS}
-            for name, ms in _time_interleaved(calls, reps=3 if n > 1 else 5).items():
+            result = timing.time_candidates(calls, reps=3 if n > 1 else 5)
+            if not result.stable:
+                unstable.append(f"{rows} rows")
+            for name, ms in result.ms.items():
                 out[name][rows] = ms
         return out
 
+    busy = timing.machine_busy()
+    unstable: list[str] = []
     layer_bytes = 4 * sum(n * k for n, k in shapes)
     copies = max(1, min(config.num_layers, -(-STREAMED_BYTES // layer_bytes)))
     head_copies = max(1, min(4, -(-STREAMED_BYTES // (4 * config.vocab_size * h))))
     t0 = time.perf_counter()
     timings = {"layers": layer_candidates(shapes, ROWS, copies),
                "lm_head": layer_candidates([(config.vocab_size, h)], HEAD_ROWS, head_copies)}
+    noisy = bool(busy or unstable)
+    if noisy:
+        logger.warning("kernel table measured on a noisy machine (%s): used for now, measured again at the next "
+                       "start", busy or "rounds disagreed at " + ", ".join(unstable))
     logger.info("kernel table measured in %.1f s", time.perf_counter() - t0)
-    return KernelTable(key, timings)
+    return KernelTable(key, timings, noisy)
 
 
 def cache_dir() -> Path:
@@ -227,34 +245,73 @@ def table_key(config: ModelConfig, kernels: ModuleType | None) -> dict[str, str]
             "shapes": ",".join(map(str, shapes))}
 
 
+def cached_path(kind: str, key: dict[str, str]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / (digest + ".json" if kind == "gemm" else f"{kind}-{digest}.json")
+
+
 def table_path(key: dict[str, str]) -> Path:
-    return cache_dir() / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20] + ".json")
+    return cached_path("gemm", key)
 
 
-def save(table: KernelTable) -> None:
-    """Into the cache where kernel_table() looks for this machine's table."""
-    path = table_path(table.key)
+def load_cached(kind: str, key: dict[str, str]) -> str | None:
+    """The cached table's text for `key`, or None (none yet, or unreadable: measured again)."""
+    path = cached_path(kind, key)
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        logger.warning("ignoring an unreadable kernel table %s (%s)", path, e)
+        return None
+
+
+def save_cached(kind: str, key: dict[str, str], text: str) -> None:
+    """Into the cache where load_cached() looks for this machine's table."""
+    path = cached_path(kind, key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(table.to_json())
+        tmp.write_text(text)
         tmp.replace(path)  # atomic: a concurrent start reads a whole table or none
     except OSError as e:  # a read-only home: measure again next time
         logger.warning("could not save the kernel table to %s (%s)", path, e)
 
 
-def kernel_table(config: ModelConfig, kernels: ModuleType | None) -> KernelTable:
-    """This machine's table for the model's shapes: from the cache when its key matches exactly,
-    else measured now (seconds) and saved."""
+def save(table: KernelTable) -> None:
+    save_cached("gemm", table.key, table.to_json())
+
+
+# Tables this process measured or loaded, noisy ones included: an engine started again in the
+# same process does not measure again.
+_memo: dict[str, KernelTable] = {}
+
+
+def kernel_table(config: ModelConfig, kernels: ModuleType | None, remeasure: bool = False) -> KernelTable:
+    """This machine's table for the model's shapes: from the cache when its key matches exactly
+    and it was measured on a quiet machine, else measured now (seconds) and saved."""
     key = table_key(config, kernels)
-    path = table_path(key)
-    try:
-        table = KernelTable.from_json(path.read_text())
-        if table.key == key:
-            return table
-    except (OSError, ValueError, KeyError) as e:
-        if not isinstance(e, FileNotFoundError):
-            logger.warning("ignoring an unreadable kernel table %s (%s)", path, e)
+    memo_key = json.dumps(key, sort_keys=True)
+    if not remeasure and memo_key in _memo:
+        return _memo[memo_key]
+    table = _load_or_measure(config, kernels, key, remeasure)
+    _memo[memo_key] = table
+    return table
+
+
+def _load_or_measure(config: ModelConfig, kernels: ModuleType | None, key: dict[str, str],
+                     remeasure: bool) -> KernelTable:
+    text = None if remeasure else load_cached("gemm", key)
+    if text is not None:
+        try:
+            table = KernelTable.from_json(text)
+        except (ValueError, KeyError) as e:
+            logger.warning("ignoring an unreadable kernel table %s (%s)", table_path(key), e)
+        else:
+            if table.key == key and not table.noisy:
+                return table
+            if table.noisy:
+                logger.info("the cached kernel table was measured on a noisy machine: measuring again")
     table = measure(config, kernels, key)
     save(table)
     return table

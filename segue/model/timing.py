@@ -1,0 +1,93 @@
+"""Timing candidate kernels so that a busy machine cannot decide for a quiet one.
+
+Both measured tables (GEMMs and quantized matmuls in kernel_table.py, attention in
+attention_table.py) time their candidates here. A table timed while a package install ran was
+3-7x slower per call than a quiet one on a 2-core Xeon, and it was cached for good; so rounds are
+repeated until two in a row agree, a candidate replaces the default only by a clear margin, and a
+measurement whose rounds never agreed is reported as noisy (its table is used for this run and
+measured again at the next start instead of being trusted).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+# Rounds agree when every candidate's median moved by less than this between them.
+AGREE = 0.10
+MIN_ROUNDS = 2
+MAX_ROUNDS = 6
+# A candidate replaces the default only when it is this much faster: below it the two are within
+# what rounds on a quiet machine differ by, and switching would follow noise.
+MARGIN = 0.05
+
+
+@dataclass
+class Timing:
+    ms: dict[str, float]   # median ms of one call per candidate, over all rounds
+    stable: bool           # the last two rounds agreed
+
+
+def _round(candidates: dict[str, Sequence[Callable[[], object]]], reps: int) -> dict[str, list[float]]:
+    """Candidates take turns call by call, so a spell of another process's load falls on all of
+    them alike instead of on whichever was being timed."""
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    width = max(len(calls) for calls in candidates.values())
+    for _ in range(reps):
+        for i in range(width):
+            for name, calls in candidates.items():
+                if i < len(calls):
+                    t0 = time.perf_counter()
+                    calls[i]()
+                    times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2] * 1000
+
+
+def time_candidates(candidates: dict[str, Sequence[Callable[[], object]]], reps: int = 3,
+                    min_rounds: int = MIN_ROUNDS, max_rounds: int = MAX_ROUNDS) -> Timing:
+    """Median ms of one call of each candidate (each a list of calls cycled through, e.g. over
+    weight sets larger than the caches). The median, not the mean: on a small machine another
+    process's time slice stalls an OpenMP region now and then (seen: 8 ms on a 0.2 ms call)."""
+    for calls in candidates.values():
+        for call in calls:
+            call()  # warm-up: first touch of buffers, oneDNN's kernel selection
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    last: dict[str, float] | None = None
+    stable = False
+    for rounds in range(1, max_rounds + 1):
+        this = _round(candidates, reps)
+        for name, ts in this.items():
+            samples[name].extend(ts)
+        medians = {name: _median(ts) for name, ts in this.items()}
+        if last is not None:
+            stable = all(abs(medians[n] - last[n]) <= AGREE * min(medians[n], last[n]) for n in medians)
+        if stable and rounds >= min_rounds:
+            break
+        last = medians
+    return Timing({name: _median(ts) for name, ts in samples.items()}, stable)
+
+
+def pick(ms: dict[str, float], default: str) -> str:
+    """The fastest candidate if it beats `default` by the margin, else `default`."""
+    best = min(ms, key=lambda c: ms[c])
+    if default not in ms or ms[best] < ms[default] * (1 - MARGIN):
+        return best
+    return default
+
+
+def machine_busy() -> str | None:
+    """Why the machine looks busy now (a load average above its CPU count), or None."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # no load average on this platform: nothing to say
+        return None
+    cpus = os.cpu_count() or 1
+    return f"load average {load:.1f} on {cpus} CPUs" if load > cpus else None
