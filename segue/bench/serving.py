@@ -83,6 +83,9 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int)
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("error"):
+                # A failure after the 200 status line: the request was not served either.
+                raise ValueError(f"error in stream: {chunk['error']}")
             if chunk.get("choices") and ttft is None:
                 ttft = time.perf_counter() - t0
             if chunk.get("usage"):
@@ -116,8 +119,11 @@ async def run_row(url: str, model: str, row: str, vocab: int, seed: int,
         t0 = time.perf_counter()
         results = await asyncio.gather(*(bounded(p) for p in prompts))
         duration = time.perf_counter() - t0
-    ok = [r for r in results if not isinstance(r, BaseException)]
-    return RowResult(row, duration, sum(len(p) for p in prompts), sum(n for _, n in ok),
+    served = [(p, r) for p, r in zip(prompts, results, strict=True) if not isinstance(r, BaseException)]
+    ok = [r for _, r in served]
+    # Input throughput counts the prompts that were answered: a failed request's may never have
+    # been prefilled, and counting it would flatter a server that fails fast.
+    return RowResult(row, duration, sum(len(p) for p, _ in served), sum(n for _, n in ok),
                      1000 * sum(t for t, _ in ok) / max(1, len(ok)), len(results) - len(ok))
 
 
