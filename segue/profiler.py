@@ -307,8 +307,10 @@ def profile(engine: LLMEngine, repeats: int | None = None, seed: int = 0, grid: 
     return cost, report
 
 
-def save_profile(path: str | Path, cost: CostModel, report: ProfileReport) -> None:
+def save_profile(path: str | Path, cost: CostModel, report: ProfileReport, key: dict[str, str] | None = None) -> None:
     """The CostModel's fields (what CostModel.load reads) plus the fit's quality and the measured
-    points, so a profile can be judged and refitted later without rerunning it."""
+    points, so a profile can be judged and refitted later without rerunning it, and what it was
+    measured under (`key`: executor/loading.py's profile_key, which names its default path)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({**asdict(cost), **report.to_dict()}, indent=2) + "\n")
+    extra = {"key": key} if key is not None else {}
+    Path(path).write_text(json.dumps({**asdict(cost), **report.to_dict(), **extra}, indent=2) + "\n")

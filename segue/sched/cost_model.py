@@ -226,10 +226,6 @@ PRESETS: dict[str, CostModel] = {
 }
 
 
-def default_profile_path(device: str) -> Path:
-    return Path.home() / ".cache" / "segue" / f"profile-{device}.json"
-
-
 def load_preset(preset: str, step_time_scale: float = 1.0) -> CostModel:
     """A preset by name or a `segue profile` JSON, its compute `step_time_scale` times slower
     (`segue sim --step-time-scale`)."""
