@@ -57,7 +57,7 @@ def test_round_trip_and_format():
 @pytest.fixture
 def fake_table(monkeypatch):
     current = {}
-    monkeypatch.setattr(kt, "kernel_table", lambda config, kernels: current["table"])
+    monkeypatch.setattr(kt, "kernel_table", lambda config, kernels, **kw: current["table"])
     return current
 
 
@@ -73,14 +73,18 @@ def test_plan_on_cpu_follows_the_table(fake_table):
         (torch.bfloat16, Quantization.INT8, 8, 8)
     fake_table["table"] = AVX2_CPU
     plan = kernel_plan.plan_kernels(ModelLoadConfig(), TINY, cpu, kernels)
+    # int8 wins up to 16 rows there, but "auto" never changes a float checkpoint's numbers.
+    assert (plan.dtype, plan.quantization, plan.head_quantization) == (torch.float32, Quantization.NONE,
+                                                                      Quantization.NONE)
+    plan = kernel_plan.plan_kernels(ModelLoadConfig(quantization="int8"), TINY, cpu, kernels)
     assert (plan.dtype, plan.quantization, plan.quantized_rows) == (torch.float32, Quantization.INT8, 16)
     # An explicit dtype keeps it; the quantized row range is measured against that dtype's GEMM
     # (emulated bf16 is slow, so int8 wins further).
     plan = kernel_plan.plan_kernels(ModelLoadConfig(dtype="bfloat16", quantization="int8"), TINY, cpu, kernels)
     assert (plan.dtype, plan.quantized_rows) == (torch.bfloat16, 32)
-    # Where int8 never wins, "auto" does not quantize.
+    # Where int8 never wins, not even an explicit int8 quantizes.
     fake_table["table"] = table(int8={1: 5.0}, fp32={1: 1.0, 2048: 9.0}, bf16={1: 2.0, 2048: 19.0})
-    assert kernel_plan.plan_kernels(ModelLoadConfig(), TINY, cpu, kernels).quantization is Quantization.NONE
+    assert kernel_plan.plan_kernels(ModelLoadConfig(quantization="int8"), TINY, cpu, kernels).quantized_rows == 0
 
 
 def test_no_native_kernels_means_no_auto_quantization(fake_table):
@@ -102,9 +106,9 @@ def test_measured_once_then_cached_under_this_machines_key(tmp_path, monkeypatch
     measured = []
     real = kt.measure
 
-    def counting(config, kernels, key, noisy=False):
+    def counting(config, kernels, key, quants=kt.ALL_QUANTS, noisy=False):
         measured.append(key)
-        table = real(config, kernels, key)
+        table = real(config, kernels, key, quants)
         table.noisy = noisy  # as if measured on a quiet machine (or, with noisy=True, a busy one)
         return table
 

@@ -11,13 +11,11 @@ import torch
 
 from segue.config import ConfigError, ModelLoadConfig
 from segue.model.config import ModelConfig
-from segue.model.quant import Quantization, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from segue.model.quant import EVERY_BATCH, Quantization, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Larger than any batch: the quantized kernels take every row.
-_EVERY_BATCH = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -66,9 +64,8 @@ def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.devic
                  weights: Mapping[str, torch.Tensor] | None = None) -> KernelPlan:
     """CUDA: bf16 for "auto", no quantization (no fast kernel wired there). CPU: "auto" follows
     the kernel table: the dtype first, then a quantized kernel for the batch sizes where it beats
-    that dtype's GEMM, if it loses nothing that the quality bar catches: a format that holds the
-    checkpoint exactly (`weights`: a GGUF Q4_1 / Q8_0 file's), or int8 under float32 (measured
-    >= 97% greedy agreement; under bf16 activations it was 96.2%, tests/test_quantization.py).
+    that dtype's GEMM, only in a format that holds the checkpoint exactly (`weights`: a GGUF
+    Q4_1 / Q8_0 file's): as in vLLM, a checkpoint's numbers change only when the user asks.
     An explicit quantization runs where the table says it wins. Without native kernels a
     quantization would only dequantize (worse numbers, no speed), so "auto" is none."""
     if load.batch_invariant:
@@ -81,7 +78,13 @@ def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.devic
         return KernelPlan(dtype, quant)
     from segue.model.kernel_table import kernel_table
 
-    table = kernel_table(config, kernels)
+    exact_layers, exact_head = lossless_formats(weights, config) \
+        if weights is not None and load.quantization == "auto" else (set(), set())
+    if load.quantization == "auto":
+        wanted = tuple(sorted(exact_layers | ({"int8"} & exact_head)))
+    else:
+        wanted = () if load.quantization == "none" else tuple(sorted({load.quantization, "int8"}))
+    table = kernel_table(config, kernels, quants=wanted)
     dtype_name = table.dense_dtype() if load.dtype == "auto" else load.dtype
     # float16 has no measured row: its GEMMs compare like bfloat16's on every CPU torch supports.
     dense = dtype_name if dtype_name in ("float32", "bfloat16") else "bfloat16"
@@ -89,14 +92,11 @@ def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.devic
         quant = Quantization.NONE if load.quantization == "auto" else Quantization(load.quantization)
         return KernelPlan(DTYPES[dtype_name], quant)
     if load.quantization == "auto":
-        exact_layers, exact_head = lossless_formats(weights, config) if weights is not None else (set(), set())
-        allowed = exact_layers | ({"int8"} if dense == "float32" else set())
-        # The format with the widest winning row range; exact ones first on a tie.
-        ranked = sorted(allowed, key=lambda f: (table.quantized_up_to("layers", f, dense), f in exact_layers))
+        # The exact format with the widest winning row range.
+        ranked = sorted(exact_layers, key=lambda f: (table.quantized_up_to("layers", f, dense), f))
         quant = Quantization(ranked[-1]) if ranked and table.quantized_up_to("layers", ranked[-1], dense) else \
             Quantization.NONE
-        head_ok = dense == "float32" or "int8" in exact_head
-        head_quant = Quantization.INT8 if head_ok else Quantization.NONE
+        head_quant = Quantization.INT8 if "int8" in exact_head else Quantization.NONE
     else:
         quant = Quantization(load.quantization)
         head_quant = Quantization.NONE if quant is Quantization.NONE else Quantization.INT8
@@ -122,4 +122,4 @@ def _batch_invariant_plan(load: ModelLoadConfig, device: torch.device, kernels: 
     quant = Quantization.INT4 if load.quantization == "int4" else Quantization.INT8
     # The kernels accumulate in fp32; bf16 activations would only add a rounding per layer.
     dtype = torch.float32 if load.dtype == "auto" else DTYPES[load.dtype]
-    return KernelPlan(dtype, quant, _EVERY_BATCH, _EVERY_BATCH, Quantization.INT8)
+    return KernelPlan(dtype, quant, EVERY_BATCH, EVERY_BATCH, Quantization.INT8)

@@ -40,6 +40,8 @@ class ModelExecutor(Executor):
                                 dense_above=plan.quantized_rows, head_dense_above=plan.head_quantized_rows,
                                 head_quantization=plan.head_quantization)
         cfg = ckpt.config
+        logger.info("weights: %.0f MiB in memory (%s, %s layers)", self.model.weight_bytes() / 2**20,
+                    str(dtype).removeprefix("torch."), plan.quantization.value)
         self.block_size = cache.block_size
         self.kv_dtype = dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
         if self.kv_dtype != dtype and not (dtype == torch.float32 and self.kv_dtype == torch.bfloat16):

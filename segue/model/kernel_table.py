@@ -125,12 +125,13 @@ class KernelTable:
         return min(DTYPES, key=cost)
 
     def quantized_up_to(self, op: str, quant: str, dtype: str) -> int:
-        """The largest row count up to which the quantized kernel beats the `dtype` GEMM at every
-        timed size (0: never). Rows in between follow the size above."""
+        """The largest row count up to which the quantized kernel beats the `dtype` GEMM by the
+        margin at every timed size (0: never). Rows in between follow the size above."""
         times = self.timings_ms[op]
         limit = 0
         for rows in sorted(times[dtype]):
-            if rows not in times.get(quant, {}) or times[quant][rows] >= times[dtype][rows]:
+            # Only a clear win: at a tie, which kernel runs would follow the noise of one table.
+            if rows not in times.get(quant, {}) or times[quant][rows] >= times[dtype][rows] * (1 - timing.MARGIN):
                 break
             limit = rows
         return limit
@@ -161,7 +162,11 @@ def _call_each(fs: Sequence[Callable[[Any], object]], xs: Sequence[Any]) -> list
     return [f(x) for f, x in zip(fs, xs, strict=True)]
 
 
-def measure(config: ModelConfig, kernels: ModuleType | None, key: dict[str, str]) -> KernelTable:
+ALL_QUANTS = ("int8", "int4")
+
+
+def measure(config: ModelConfig, kernels: ModuleType | None, key: dict[str, str],
+            quants_wanted: tuple[str, ...] = ALL_QUANTS) -> KernelTable:
     """Time each candidate on random weights of the model's shapes (the values do not matter to
     the speed; the model's own weights need not be loaded yet)."""
     import torch
@@ -173,7 +178,8 @@ def measure(config: ModelConfig, kernels: ModuleType | None, key: dict[str, str]
     shapes = [((config.num_heads + 2 * kvh) * hd, h), (h, config.num_heads * hd),
               (2 * config.intermediate_size, h), (h, config.intermediate_size)]
     gen = torch.Generator().manual_seed(0)
-    quants = [q for q in (Quantization.INT8, Quantization.INT4)
+    # Only the formats the plan may run: quantizing and timing them is most of a table's time.
+    quants = [q for q in (Quantization.INT8, Quantization.INT4) if q.value in quants_wanted
               if kernels is not None and all(group_supported(k) for _, k in shapes)]
 
     def layer_candidates(op_shapes: list[tuple[int, int]], ladder: tuple[int, ...],
@@ -287,20 +293,27 @@ def save(table: KernelTable) -> None:
 _memo: dict[str, KernelTable] = {}
 
 
-def kernel_table(config: ModelConfig, kernels: ModuleType | None, remeasure: bool = False) -> KernelTable:
-    """This machine's table for the model's shapes: from the cache when its key matches exactly
-    and it was measured on a quiet machine, else measured now (seconds) and saved."""
+def _has(table: KernelTable, quants: tuple[str, ...], kernels: ModuleType | None) -> bool:
+    """Whether the table timed every format in `quants` it could time here."""
+    return kernels is None or all(q in table.timings_ms["layers"] for q in quants)
+
+
+def kernel_table(config: ModelConfig, kernels: ModuleType | None, remeasure: bool = False,
+                 quants: tuple[str, ...] = ALL_QUANTS) -> KernelTable:
+    """This machine's table for the model's shapes, with the quantized formats in `quants` among
+    its candidates: from the cache when its key matches exactly, it was measured on a quiet
+    machine and it has those formats, else measured now (seconds) and saved."""
     key = table_key(config, kernels)
     memo_key = json.dumps(key, sort_keys=True)
-    if not remeasure and memo_key in _memo:
+    if not remeasure and memo_key in _memo and _has(_memo[memo_key], quants, kernels):
         return _memo[memo_key]
-    table = _load_or_measure(config, kernels, key, remeasure)
+    table = _load_or_measure(config, kernels, key, remeasure, quants)
     _memo[memo_key] = table
     return table
 
 
 def _load_or_measure(config: ModelConfig, kernels: ModuleType | None, key: dict[str, str],
-                     remeasure: bool) -> KernelTable:
+                     remeasure: bool, quants: tuple[str, ...]) -> KernelTable:
     text = None if remeasure else load_cached("gemm", key)
     if text is not None:
         try:
@@ -308,10 +321,12 @@ def _load_or_measure(config: ModelConfig, kernels: ModuleType | None, key: dict[
         except (ValueError, KeyError) as e:
             logger.warning("ignoring an unreadable kernel table %s (%s)", table_path(key), e)
         else:
-            if table.key == key and not table.noisy:
+            if table.key == key and not table.noisy and _has(table, quants, kernels):
                 return table
             if table.noisy:
                 logger.info("the cached kernel table was measured on a noisy machine: measuring again")
-    table = measure(config, kernels, key)
+            elif table.key == key:  # another run's formats: time those too, not instead
+                quants = tuple(sorted(set(quants) | {q for q in ALL_QUANTS if q in table.timings_ms["layers"]}))
+    table = measure(config, kernels, key, quants)
     save(table)
     return table

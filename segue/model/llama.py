@@ -109,6 +109,12 @@ class LlamaModel:
         self.sin32 = freqs.sin().to(device=device, dtype=torch.float32).contiguous()
         self.scale = config.head_dim ** -0.5
 
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold in memory, as run (packed formats and any dense copies)."""
+        plain = [self.embed_tokens, self.norm] + [t for ly in self.layers for t in (ly.input_norm, ly.post_norm)]
+        linears = [self.lm_head] + [lw for ly in self.layers for lw in (ly.qkv, ly.o, ly.gate_up, ly.down)]
+        return sum(t.numel() * t.element_size() for t in plain) + sum(lw.nbytes for lw in linears)
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)

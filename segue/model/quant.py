@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 GROUP_SIZE = 32  # GGUF's Q8_0 / Q4_1 block: the default model's weights are exact at this size
+# A `dense_above` larger than any batch: the quantized kernel takes every row.
+EVERY_BATCH = 1 << 30
 
 
 class Quantization(str, enum.Enum):
@@ -96,22 +98,37 @@ class LinearWeights:
         # Larger batches run the GEMM over the *dequantized* weight, not the original: the layer
         # is one function whatever the batch size, so a request's greedy output does not depend
         # on who else is in the step (only the summation order differs between the two kernels).
+        # When the native kernel takes every batch, no dense copy is kept beside the packed one.
+        keep_dense = self._kernels is None or dense_above < EVERY_BATCH
+        self.dense: torch.Tensor | None = None
+        self._packed: list[torch.Tensor] = []
         if quant is Quantization.NONE:
             self.dense = weight.to(dtype).contiguous()
         elif quant is Quantization.INT8:
             q, scale = quantize_int8(weight)
-            self.dense = dequantize_int8(q, scale).to(dtype).contiguous()
+            if keep_dense:
+                self.dense = dequantize_int8(q, scale).to(dtype).contiguous()
             if kernels is not None:
                 self.q, self.scale = q.contiguous(), scale.float().contiguous()
+                self._packed = [self.q, self.scale]
         elif quant is Quantization.INT4:
             q, scale, lo = quantize_int4(weight)
-            self.dense = dequantize_int4(q, scale, lo).to(dtype).contiguous()
+            if keep_dense:
+                self.dense = dequantize_int4(q, scale, lo).to(dtype).contiguous()
             if kernels is not None:
                 self.packed = pack_int4(q)
                 self.scale_lo = torch.stack([scale, lo], dim=-1).float().contiguous()
+                self._packed = [self.packed, self.scale_lo]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer's weights hold in memory (the packed form and any dense copy)."""
+        tensors = self._packed + [t for t in (self.dense, self.bias) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernels is None or x.shape[0] > self.dense_above:
+            assert self.dense is not None  # kept whenever some batch takes the GEMM
             return F.linear(x, self.dense, self.bias)
         if self.mode is Quantization.INT8:
             out = self._kernels.int8_linear(x, self.q, self.scale)
