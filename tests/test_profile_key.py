@@ -59,7 +59,7 @@ def test_the_path_is_keyed_by_cpu_model_dtype_and_threads_under_the_cache_dir(ca
     others.append(profile_path(profile_key(config, executor())))
     torch.set_num_threads(n)
     identity = kernel_table.cpu_identity()
-    monkeypatch.setattr(kernel_table, "cpu_identity", lambda: {**identity, "model": "another CPU"})
+    monkeypatch.setattr(kernel_table, "cpu_identity", lambda: {k: f"another {v}" for k, v in identity.items()})
     others.append(profile_path(profile_key(config, executor())))
     assert len({path, *others}) == len(others) + 1
 
