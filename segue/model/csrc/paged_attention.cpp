@@ -314,6 +314,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor query_start, torch::Tensor start_pos,
                                       torch::Tensor block_tables, double scale);
+bool paged_prefill_supports(at::ScalarType q_dtype, at::ScalarType cache_dtype, int64_t head_dim, int64_t group);
 // Defined in quant_ops.cpp.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale);
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_lo);
@@ -322,6 +323,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU; fp32 accumulation)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "Causal attention of prefill chunks over the paged cache (CPU; tiled online softmax)");
+  m.def("paged_prefill_supports", &paged_prefill_supports,
+        "Whether paged_prefill_attention takes these dtypes, head size and query heads per KV head",
+        py::arg("q_dtype"), py::arg("cache_dtype"), py::arg("head_dim"), py::arg("group"));
   m.def("add_rms_norm", &add_rms_norm, "h += delta (in place); returns rms_norm(h) * weight");
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding of Q and K in place, K/V written to the cache");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up = [gate | up]");

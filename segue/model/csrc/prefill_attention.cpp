@@ -2,7 +2,8 @@
 // everything cached before it plus itself (causally), reading K/V blocks in place. One call
 // serves every prefill chunk of a step (varlen). Tiled with an online softmax, so neither the
 // context nor an [n x ctx] mask is ever materialised; GQA serves all query heads of a group from
-// one read of each K/V row.
+// one read of each K/V row. Head sizes 64 and 128 (Llama-3, Qwen2.5), each compiled as its own
+// constant; paged_prefill_supports tells callers which dtypes, head sizes and GQA groups it takes.
 //
 // Why not torch's SDPA: over cached context it needs the context gathered into a dense copy per
 // layer and a dense mask, and its CPU flash kernel ran at a fifth of this CPU's GEMM rate
@@ -65,11 +66,12 @@ struct Tile {
   int64_t kv_head;
 };
 
-// Thread-local scratch, reused across tiles.
+// Thread-local scratch, reused across tiles; D is the head size.
+template <int64_t D>
 struct Scratch {
   std::vector<float> q, o, m, l, p;  // per row: queries, output, running max and sum, probabilities
-  alignas(64) float kt[64 * KB];     // K tile transposed: [dim][key], so scores vectorize over keys
-  alignas(64) float vt[KB * 64];     // V tile as fp32 rows: [key][dim]
+  alignas(64) float kt[D * KB];      // K tile transposed: [dim][key], so scores vectorize over keys
+  alignas(64) float vt[KB * D];      // V tile as fp32 rows: [key][dim]
 };
 
 #ifdef __AVX512F__
@@ -87,6 +89,7 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 // One row's online-softmax step over a tile of KB scores: keys past `last` (the row's own
 // position) or past `nk` (the context) are masked; the running max m and sum l are updated, the
 // output row o rescaled, and the tile's probabilities written to p (zeros where masked).
+template <int64_t D>
 inline void softmax_update(v16 sc[2], int64_t last, int64_t nk, float& m, float& l, float* o, float* p) {
   if (last < KB - 1 || nk < KB)
     for (int64_t j = 0; j < KB; ++j)
@@ -104,17 +107,18 @@ inline void softmax_update(v16 sc[2], int64_t last, int64_t nk, float& m, float&
   l = l * alpha + hsum(p0 + p1);
   m = m_new;
   if (alpha != 1.f)
-    for (int64_t d = 0; d < 64; d += 16) store(o + d, load(o + d) * alpha);
+    for (int64_t d = 0; d < D; d += 16) store(o + d, load(o + d) * alpha);
 }
 
 // Scores of four query rows against the tile's KB keys: eight independent FMA chains, each
 // K vector loaded once for four rows.
+template <int64_t D>
 inline void scores4(const float* q, const float* kt, v16 out[4][2]) {
   v16 a[4][2] = {};
-  for (int64_t d = 0; d < 64; ++d) {
+  for (int64_t d = 0; d < D; ++d) {
     const v16 k0 = load(kt + d * KB), k1 = load(kt + d * KB + 16);
     for (int i = 0; i < 4; ++i) {
-      const float qd = q[i * 64 + d];
+      const float qd = q[i * D + d];
       a[i][0] += qd * k0;
       a[i][1] += qd * k1;
     }
@@ -123,51 +127,56 @@ inline void scores4(const float* q, const float* kt, v16 out[4][2]) {
 }
 
 // O[row] += P[row] . V for two rows: eight output vectors, each V row loaded once for both.
+// Wider heads take 64 dims per pass, so the accumulators still fit the registers.
+template <int64_t D>
 inline void accumulate2(const float* p0, const float* p1, const float* vt, float* o0, float* o1) {
-  v16 a[2][4];
-  for (int c = 0; c < 4; ++c) {
-    a[0][c] = load(o0 + 16 * c);
-    a[1][c] = load(o1 + 16 * c);
-  }
-  for (int64_t j = 0; j < KB; ++j) {
-    const float* v = vt + j * 64;
-    const float x0 = p0[j], x1 = p1[j];
+  static_assert(D % 64 == 0, "the output is accumulated 64 dims at a time");
+  for (int64_t c0 = 0; c0 < D; c0 += 64) {
+    v16 a[2][4];
     for (int c = 0; c < 4; ++c) {
-      const v16 vv = load(v + 16 * c);
-      a[0][c] += x0 * vv;
-      a[1][c] += x1 * vv;
+      a[0][c] = load(o0 + c0 + 16 * c);
+      a[1][c] = load(o1 + c0 + 16 * c);
     }
-  }
-  for (int c = 0; c < 4; ++c) {
-    store(o0 + 16 * c, a[0][c]);
-    store(o1 + 16 * c, a[1][c]);
+    for (int64_t j = 0; j < KB; ++j) {
+      const float* v = vt + j * D + c0;
+      const float x0 = p0[j], x1 = p1[j];
+      for (int c = 0; c < 4; ++c) {
+        const v16 vv = load(v + 16 * c);
+        a[0][c] += x0 * vv;
+        a[1][c] += x1 * vv;
+      }
+    }
+    for (int c = 0; c < 4; ++c) {
+      store(o0 + c0 + 16 * c, a[0][c]);
+      store(o1 + c0 + 16 * c, a[1][c]);
+    }
   }
 }
 
-template <typename C>
+template <int64_t D, typename C>
 inline void pack_tile(const C* kc, const C* vc, const int64_t* table, int64_t head_base, int64_t block_size,
                       int64_t k0, int64_t nk, float* kt, float* vt) {
   for (int64_t j = 0; j < KB; ++j) {
     if (j < nk) {
       const int64_t pos = k0 + j;
-      const int64_t off = head_base + (table[pos / block_size] * block_size + pos % block_size) * 64;
-      for (int64_t d = 0; d < 64; ++d) {
+      const int64_t off = head_base + (table[pos / block_size] * block_size + pos % block_size) * D;
+      for (int64_t d = 0; d < D; ++d) {
         kt[d * KB + j] = to_f(kc[off + d]);
-        vt[j * 64 + d] = to_f(vc[off + d]);
+        vt[j * D + d] = to_f(vc[off + d]);
       }
     } else {
-      for (int64_t d = 0; d < 64; ++d) {
+      for (int64_t d = 0; d < D; ++d) {
         kt[d * KB + j] = 0.f;
-        vt[j * 64 + d] = 0.f;
+        vt[j * D + d] = 0.f;
       }
     }
   }
 }
 
-template <typename T, typename C>
+template <int64_t D, typename T, typename C>
 void attend_tile(const Tile& tile, const T* q, int64_t q_row_stride, const C* kc, const C* vc, T* out,
-                 int64_t heads, int64_t group, int64_t num_blocks, int64_t block_size, float scale, Scratch& s) {
-  constexpr int64_t D = 64;
+                 int64_t heads, int64_t group, int64_t num_blocks, int64_t block_size, float scale,
+                 Scratch<D>& s) {
   const int64_t ntok = tile.t1 - tile.t0, rows = ntok * group;
   const int64_t padded = (rows + 3) / 4 * 4;  // whole blocks of four rows; pad rows stay zero
   s.q.assign(padded * D, 0.f);
@@ -185,12 +194,12 @@ void attend_tile(const Tile& tile, const T* q, int64_t q_row_stride, const C* kc
   const int64_t head_base = tile.kv_head * num_blocks * block_size * D;
   for (int64_t k0 = 0; k0 < ctx_end; k0 += KB) {
     const int64_t nk = std::min(KB, ctx_end - k0);
-    pack_tile(kc, vc, tile.table, head_base, block_size, k0, nk, s.kt, s.vt);
+    pack_tile<D>(kc, vc, tile.table, head_base, block_size, k0, nk, s.kt, s.vt);
     // Keys past a row's own position (or past the context) are masked: only the last tiles.
     const bool needs_mask = k0 + KB - 1 > first_pos;
     for (int64_t r = 0; r < padded; r += 4) {
       v16 sc[4][2];
-      scores4(s.q.data() + r * D, s.kt, sc);
+      scores4<D>(s.q.data() + r * D, s.kt, sc);
       for (int64_t i = 0; i < 4; ++i) {
         const int64_t row = r + i;
         float* p = s.p.data() + row * KB;
@@ -199,11 +208,11 @@ void attend_tile(const Tile& tile, const T* q, int64_t q_row_stride, const C* kc
           continue;
         }
         const int64_t last = needs_mask ? first_pos + row / group - k0 : KB;  // last visible key
-        softmax_update(sc[i], last, nk, s.m[row], s.l[row], s.o.data() + row * D, p);
+        softmax_update<D>(sc[i], last, nk, s.m[row], s.l[row], s.o.data() + row * D, p);
       }
       for (int64_t i = 0; i < 4; i += 2)
-        accumulate2(s.p.data() + (r + i) * KB, s.p.data() + (r + i + 1) * KB, s.vt,
-                    s.o.data() + (r + i) * D, s.o.data() + (r + i + 1) * D);
+        accumulate2<D>(s.p.data() + (r + i) * KB, s.p.data() + (r + i + 1) * KB, s.vt,
+                       s.o.data() + (r + i) * D, s.o.data() + (r + i + 1) * D);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -219,7 +228,7 @@ void attend_tile(const Tile& tile, const T* q, int64_t q_row_stride, const C* kc
 
 namespace {
 
-template <typename T, typename C>
+template <int64_t D, typename T, typename C>
 void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                   const std::vector<Tile>& tiles, float scale, torch::Tensor& out) {
   const int64_t heads = q.size(1);
@@ -234,27 +243,62 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const to
   if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
 #pragma omp parallel if (n > 1)
     {
-      bf16dp::Scratch scratch;
+      bf16dp::Scratch<D> scratch;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < n; ++i)
-        bf16dp::attend_tile(tiles[i], qp, q.stride(0), kp, vp, op, heads, group, num_blocks, block_size, scale, scratch);
+        bf16dp::attend_tile<D>(tiles[i], qp, q.stride(0), kp, vp, op, heads, group, num_blocks, block_size, scale, scratch);
     }
     return;
   }
 #endif
 #pragma omp parallel if (n > 1)
   {
-    Scratch scratch;
+    Scratch<D> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i)
-      attend_tile<T, C>(tiles[i], qp, q.stride(0), kp, vp, op, heads, group, num_blocks, block_size, scale, scratch);
+      attend_tile<D, T, C>(tiles[i], qp, q.stride(0), kp, vp, op, heads, group, num_blocks, block_size, scale, scratch);
   }
+}
+
+template <int64_t D>
+void prefill_dispatch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                      const std::vector<Tile>& tiles, float scale, torch::Tensor& out) {
+  if (q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kBFloat16) {
+    prefill_impl<D, float, c10::BFloat16>(q, k_cache, v_cache, tiles, scale, out);
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
+    prefill_impl<D, scalar_t, scalar_t>(q, k_cache, v_cache, tiles, scale, out);
+  });
+}
+
+// What the kernel takes, in one place: paged_prefill_attention checks its arguments against these
+// and paged_prefill_supports answers from them, so the two cannot disagree.
+bool head_dim_supported(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+
+bool dtypes_supported(at::ScalarType q, at::ScalarType cache) {
+  if (q == at::kFloat && cache == at::kBFloat16) return true;
+  return q == cache && (q == at::kFloat || q == at::kDouble || q == at::kBFloat16 || q == at::kHalf);
+}
+
+// Query rows per tile. A KV head's whole group shares each tile (one read of each K/V row for
+// all its query heads), so a group larger than this cannot run at all.
+int64_t tile_rows(at::ScalarType q, at::ScalarType cache) {
+#ifdef SEGUE_PREFILL_BF16
+  if (q == at::kBFloat16 && cache == at::kBFloat16) return bf16dp::ROWS;
+#endif
+  return 64;  // ~64 rows (tokens x group heads): enough to amortise loading each K/V tile
 }
 
 }  // namespace
 
-torch::Tensor paged_prefill_attention(torch::Tensor q,             // [T, heads, 64]: every chunk's rows
-                                      torch::Tensor k_cache,       // [kv_heads, blocks, block_size, 64]
+bool paged_prefill_supports(at::ScalarType q_dtype, at::ScalarType cache_dtype, int64_t head_dim, int64_t group) {
+  return head_dim_supported(head_dim) && dtypes_supported(q_dtype, cache_dtype) && group >= 1 &&
+         group <= tile_rows(q_dtype, cache_dtype);
+}
+
+torch::Tensor paged_prefill_attention(torch::Tensor q,             // [T, heads, dim]: every chunk's rows
+                                      torch::Tensor k_cache,       // [kv_heads, blocks, block_size, dim]
                                       torch::Tensor v_cache,
                                       torch::Tensor query_start,   // [n + 1] int64: chunk i is rows [qs[i], qs[i+1])
                                       torch::Tensor start_pos,     // [n] int64: position of each chunk's first token
@@ -262,14 +306,16 @@ torch::Tensor paged_prefill_attention(torch::Tensor q,             // [T, heads,
                                       double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_prefill_attention: q must be [T, heads, dim] and the caches [kv_heads, blocks, block_size, dim]");
-  TORCH_CHECK(q.size(2) == 64 && k_cache.size(3) == 64,
-              "paged_prefill_attention: head size 64 only (q has ", q.size(2), ", the cache ", k_cache.size(3), ")");
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "paged_prefill_attention: query heads not a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && head_dim_supported(q.size(2)),
+              "paged_prefill_attention: head size 64 or 128 only, the same in q and the cache (q has ", q.size(2),
+              ", the cache ", k_cache.size(3), ")");
+  TORCH_CHECK(k_cache.size(0) >= 1 && q.size(1) >= 1 && q.size(1) % k_cache.size(0) == 0,
+              "paged_prefill_attention: query heads not a positive multiple of KV heads");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_prefill_attention: K and V caches differ in dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_prefill_attention: KV cache must be contiguous");
-  const bool bf16_cache = q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16_cache || q.scalar_type() == k_cache.scalar_type(),
-              "paged_prefill_attention: the cache must have q's dtype (or bf16 under fp32)");
+  TORCH_CHECK(dtypes_supported(q.scalar_type(), k_cache.scalar_type()),
+              "paged_prefill_attention: the cache must have q's dtype (or bf16 under fp32), one of fp32, fp64, "
+              "bf16, fp16 (q is ", q.scalar_type(), ", the cache ", k_cache.scalar_type(), ")");
   // q is usually a view into the fused QKV projection: rows strided, heads and dims dense.
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
   query_start = query_start.to(torch::kInt64).contiguous();
@@ -285,13 +331,9 @@ torch::Tensor paged_prefill_attention(torch::Tensor q,             // [T, heads,
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   TORCH_CHECK(qs[0] == 0 && qs[n] == q.size(0), "paged_prefill_attention: query_start must span q's rows");
   // A wrong call must raise, not read outside the cache: every block a chunk reads is checked.
-  // Tiles of ~64 query rows (tokens x group heads): enough rows to amortise loading each K/V tile.
-  int64_t tile_rows = 64;
-#ifdef SEGUE_PREFILL_BF16
-  if (q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16) tile_rows = bf16dp::ROWS;
-#endif
-  TORCH_CHECK(group <= tile_rows, "paged_prefill_attention: more than ", tile_rows, " query heads per KV head");
-  const int64_t tile_tokens = tile_rows / group;
+  const int64_t rows = tile_rows(q.scalar_type(), k_cache.scalar_type());
+  TORCH_CHECK(group <= rows, "paged_prefill_attention: more than ", rows, " query heads per KV head");
+  const int64_t tile_tokens = rows / group;
   std::vector<Tile> tiles;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t len = qs[i + 1] - qs[i];
@@ -312,12 +354,10 @@ torch::Tensor paged_prefill_attention(torch::Tensor q,             // [T, heads,
   std::stable_sort(tiles.begin(), tiles.end(),
                    [](const Tile& a, const Tile& b) { return a.start_pos + a.t1 > b.start_pos + b.t1; });
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  if (bf16_cache) {
-    prefill_impl<float, c10::BFloat16>(q, k_cache, v_cache, tiles, static_cast<float>(scale), out);
-    return out;
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
-    prefill_impl<scalar_t, scalar_t>(q, k_cache, v_cache, tiles, static_cast<float>(scale), out);
-  });
+  // The head size is a compile-time constant: fixed trip counts, accumulators in registers.
+  if (q.size(2) == 64)
+    prefill_dispatch<64>(q, k_cache, v_cache, tiles, static_cast<float>(scale), out);
+  else
+    prefill_dispatch<128>(q, k_cache, v_cache, tiles, static_cast<float>(scale), out);
   return out;
 }

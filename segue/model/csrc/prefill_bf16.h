@@ -24,12 +24,18 @@ constexpr float MASKED = -1e30f;
 constexpr int64_t RV = ROWS / 16;
 static_assert(KB == 32, "the key tile is 32 keys: 16 pairs for P.V");
 
+// D is the head size. The register blocking does not depend on it (accumulators span rows and
+// 8 keys or 8 dims; D is only a trip count), so 128-wide heads keep ROWS, and with it the GQA
+// group limit, and double the query, output and V scratch: ~53 KB a thread against ~31 KB. The
+// output (24 KB at 128) is read and written once per key tile, 8 dims at a time.
+template <int64_t D>
 struct Scratch {
-  alignas(64) uint32_t qt[32][ROWS];   // [dim pair][row]: the tile's queries, pairs of bf16
-  alignas(64) float ot[64][ROWS];      // [dim][row]: the output accumulator
-  alignas(64) float st[KB][ROWS];      // [key][row]: scores, then probabilities
+  static_assert(D % 16 == 0, "V is interleaved 16 dims at a time");
+  alignas(64) uint32_t qt[D / 2][ROWS];   // [dim pair][row]: the tile's queries, pairs of bf16
+  alignas(64) float ot[D][ROWS];          // [dim][row]: the output accumulator
+  alignas(64) float st[KB][ROWS];         // [key][row]: scores, then probabilities
   alignas(64) uint32_t pp[KB / 2][ROWS];  // [key pair][row]: probabilities as bf16 pairs
-  alignas(64) uint32_t vp[KB / 2][64];    // [key pair][dim]: V of keys 2t and 2t+1 interleaved
+  alignas(64) uint32_t vp[KB / 2][D];     // [key pair][dim]: V of keys 2t and 2t+1 interleaved
 };
 
 inline __m512 dot(__m512 acc, __m512i a, __m512i b) {
@@ -56,10 +62,10 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
+template <int64_t D>
 inline void attend_tile(const Tile& tile, const c10::BFloat16* q, int64_t q_row_stride, const c10::BFloat16* kc,
                         const c10::BFloat16* vc, c10::BFloat16* out, int64_t heads, int64_t group,
-                        int64_t num_blocks, int64_t block_size, float scale, Scratch& s) {
-  constexpr int64_t D = 64;
+                        int64_t num_blocks, int64_t block_size, float scale, Scratch<D>& s) {
   const int64_t rows = (tile.t1 - tile.t0) * group;  // <= ROWS, by the tiling
   // Each lane's query position; padding lanes copy the last row's (their results are dropped).
   alignas(64) int32_t qpos[ROWS];
@@ -69,7 +75,7 @@ inline void attend_tile(const Tile& tile, const c10::BFloat16* q, int64_t q_row_
   for (int64_t r = 0; r < rows; ++r) {
     const uint32_t* qr = reinterpret_cast<const uint32_t*>(
         q + (tile.row0 + tile.t0 + r / group) * q_row_stride + (tile.kv_head * group + r % group) * D);
-    for (int64_t p = 0; p < 32; ++p) s.qt[p][r] = qr[p];
+    for (int64_t p = 0; p < D / 2; ++p) s.qt[p][r] = qr[p];
   }
   std::memset(s.ot, 0, sizeof(s.ot));
   __m512 m[RV], l[RV];
@@ -103,7 +109,7 @@ inline void attend_tile(const Tile& tile, const c10::BFloat16* q, int64_t q_row_
       __m512 acc[RV][8];
       for (int v = 0; v < RV; ++v)
         for (int jj = 0; jj < 8; ++jj) acc[v][jj] = _mm512_setzero_ps();
-      for (int64_t p = 0; p < 32; ++p) {
+      for (int64_t p = 0; p < D / 2; ++p) {
         __m512i qv[RV];
         for (int v = 0; v < RV; ++v) qv[v] = _mm512_load_si512(s.qt[p] + 16 * v);
         for (int jj = 0; jj < 8; ++jj) {
@@ -148,7 +154,7 @@ inline void attend_tile(const Tile& tile, const c10::BFloat16* q, int64_t q_row_
     // V of each key pair, interleaved per dim; keys past the context are zeros (not garbage
     // that a zero probability would turn into NaN).
     for (int64_t t = 0; t < KB / 2; ++t) {
-      for (int64_t c = 0; c < 4; ++c) {
+      for (int64_t c = 0; c < D / 16; ++c) {
         __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * t] + 16 * c)));
         __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * t + 1] + 16 * c)));
         if (2 * t >= nk) lo = _mm512_setzero_si512();
