@@ -25,13 +25,14 @@ def default_tokenizer() -> transformers.PreTrainedTokenizerBase:
 
 
 def make_tiny_checkpoint(
-    path: str | pathlib.Path, arch: str = "llama", tie: bool = False, seed: int = 0
+    path: str | pathlib.Path, arch: str = "llama", tie: bool = False, seed: int = 0, head_dim: int | None = None
 ) -> pathlib.Path:
     """Write a tiny fp32 HF checkpoint (config, safetensors, generation config, tokenizer) to `path`.
 
     arch is "llama" or "qwen2" (Q/K/V biases). Every parameter is drawn from a generator seeded with
     `seed`, with norms around 1 and biases non-zero, so a forward pass exercises every tensor and two
-    calls with the same arguments write identical weights.
+    calls with the same arguments write identical weights. `head_dim` sets the heads' width apart
+    from hidden / heads (production models' 128, on a model this small).
     """
     path = pathlib.Path(path)
     tokenizer = default_tokenizer()
@@ -47,6 +48,7 @@ def make_tiny_checkpoint(
         tie_word_embeddings=tie,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **({"head_dim": head_dim} if head_dim is not None else {}),
     )
     if arch == "llama":
         config = transformers.LlamaConfig(rope_theta=50000.0, **common)

@@ -79,3 +79,21 @@ def test_preemption_with_recompute(tiny):
     batch = [p[:60] for p in prompts(3, 8)]
     check_against_hf(engine, model, batch)
     assert engine.scheduler.num_preemptions_total > 0
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    """4 query / 2 KV heads of 128, as Llama-3 and Qwen2.5-1.5B+ have (the default model's are 64)."""
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "wide", arch="qwen2", head_dim=128)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    return path, model
+
+
+@ATTENTION
+def test_128_wide_heads_chunked_and_over_cached_prefixes(wide_heads, attention):
+    path, model = wide_heads
+    engine = make_engine(path, budget=24, block_size=4, attention=attention)
+    batch = prompts(4, 4, shared_prefix=40)
+    check_against_hf(engine, model, batch[:1])
+    results = check_against_hf(engine, model, batch[1:])
+    assert all(r.num_cached_tokens >= 40 for r in results.values())

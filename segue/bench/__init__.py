@@ -14,7 +14,7 @@ from dataclasses import dataclass
 BUILTIN_MODULES: tuple[str, ...] = ("segue.bench.throughput", "segue.bench.step_profile", "segue.bench.intercept",
                                     "segue.bench.compare", "segue.bench.fidelity", "segue.bench.programs",
                                     "segue.bench.cluster", "segue.bench.structured", "segue.bench.agents",
-                                    "segue.bench.kernels", "segue.bench.serving")
+                                    "segue.bench.kernels", "segue.bench.serving", "segue.bench.bench_model")
 
 
 @dataclass(frozen=True)

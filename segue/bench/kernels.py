@@ -1,6 +1,7 @@
-"""`segue bench kernels`: this machine's kernel table for a model (measured now if not cached)
-and the plan the engine derives from it: the dtype, and up to how many rows each op runs the
-quantized kernel. See segue/model/kernel_table.py."""
+"""`segue bench kernels`: this machine's kernel tables for a model (measured now if not cached)
+and the plan the engine derives from them: the dtype, up to how many rows each op runs the
+quantized kernel, and which attention backend runs each kind and length of attention. See
+segue/model/kernel_table.py and segue/model/attention_table.py."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from segue.engine_args import engine_config_from_args
-    from segue.executor.kernel_plan import plan_kernels, resolve_device
+    from segue.executor.kernel_plan import DTYPES, plan_kernels, resolve_device
+    from segue.model import attention_table as at
     from segue.model import kernel_table as kt
     from segue.model.cpu_kernels import load_cpu_kernels
     from segue.model.loader import load_checkpoint
@@ -32,22 +34,25 @@ def run(args: argparse.Namespace) -> int:
     kernels = load_cpu_kernels()
     ckpt = load_checkpoint(config.model.model)
     model = ckpt.config
-    if args.remeasure:
-        table = kt.measure(model, kernels, kt.table_key(model, kernels))
-        kt.save(table)  # where the engine looks, so the next start uses this measurement
-    else:
-        table = kt.kernel_table(model, kernels)
+    # Remeasured (and saved where the engine looks) with every format, so the table is complete.
+    table = kt.kernel_table(model, kernels, remeasure=args.remeasure)
     plan = plan_kernels(config.model, model, device, kernels, ckpt.weights)
+    kv_dtype = plan.dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
+    layout = at.HeadLayout.of(model, plan.dtype, kv_dtype)
+    attention = at.attention_table(layout, kernels, device, remeasure=args.remeasure)
     print(f"CPU: {table.key['cpu']} (flags {table.key['flags']}), {table.key['threads']} threads, "
           f"torch {table.key['torch']}, kernels {table.key['kernels']}")
-    print(table.format())
+    print(table.format() + ("\n(measured on a noisy machine: measured again at the next start)" if table.noisy else ""))
+    print(f"attention at {layout.num_heads} query / {layout.num_kv_heads} KV heads of {layout.head_dim}, "
+          f"{str(layout.dtype).removeprefix('torch.')} (cache {str(kv_dtype).removeprefix('torch.')}):")
+    print(attention.format())
     print(f"plan for --dtype {config.model.dtype} --quantization {config.model.quantization}: "
           f"{str(plan.dtype).removeprefix('torch.')}; {plan.quantization.value} layers up to "
           f"{plan.quantized_rows} rows, {(plan.head_quantization or plan.quantization).value} LM head up to "
           f"{plan.head_quantized_rows} rows")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"table": json.loads(table.to_json()),
+            json.dump({"table": json.loads(table.to_json()), "attention": json.loads(attention.to_json()),
                        "plan": {"dtype": str(plan.dtype).removeprefix("torch."),
                                 "quantization": plan.quantization.value,
                                 "quantized_rows": plan.quantized_rows,

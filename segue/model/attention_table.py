@@ -74,9 +74,7 @@ def candidates(kind: AttentionKind, layout: HeadLayout, kernels: ModuleType | No
         if kind is AttentionKind.DECODE:
             native = layout.group <= 16
         else:
-            supports = getattr(kernels, "paged_prefill_supports", None)
-            native = supports(layout.dtype, layout.kv_dtype, layout.head_dim, layout.group) if supports else \
-                layout.head_dim == 64 and layout.group <= 48
+            native = kernels.paged_prefill_supports(layout.dtype, layout.kv_dtype, layout.head_dim, layout.group)
         if native:
             out.append(AttentionBackend.NATIVE)
     out.append(AttentionBackend.SDPA)
