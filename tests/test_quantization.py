@@ -28,9 +28,6 @@ from segue.sampling_params import SamplingParams
 
 KERNELS = load_cpu_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="native CPU kernels unavailable")
-VARIANTS = [(torch.bfloat16, Quantization.NONE), (torch.float32, Quantization.INT8),
-            (torch.float32, Quantization.INT4), (torch.bfloat16, Quantization.INT8)]
-VARIANT_IDS = ["bf16", "int8", "int4", "bf16-int8"]
 
 
 @needs_kernels
