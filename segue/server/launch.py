@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from segue.config import EngineConfig
+
+if TYPE_CHECKING:
+    import uvicorn
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +23,8 @@ GRACEFUL_SHUTDOWN_S = 10
 DEFAULT_KEEP_ALIVE_S = 120
 
 
-def uvicorn_config(app: Any, args: argparse.Namespace) -> Any:
-    """uvicorn's settings for `segue serve` (a uvicorn.Config)."""
+def uvicorn_config(app: Any, args: argparse.Namespace) -> "uvicorn.Config":
+    """uvicorn's settings for `segue serve`."""
     import uvicorn
 
     return uvicorn.Config(
