@@ -236,3 +236,33 @@ def test_cpu_identity_without_compiler_or_proc_uses_torchs_dispatch_level(monkey
     without = kt.cpu_identity()
     kt.cpu_identity.cache_clear()
     assert without["flags"] and without["flags"] != with_proc["flags"]
+
+
+def test_rows_pad_to_a_faster_timed_count():
+    # An AMX-like CPU: bf16 GEMMs tile rows in blocks, so 8 rows beat 2 and 4.
+    amx = table(int8={1: 9.0}, fp32={1: 3.0, 2: 3.0, 4: 3.1, 8: 3.2, 16: 3.5},
+                bf16={1: 0.7, 2: 1.0, 4: 1.06, 8: 0.73, 16: 1.4})
+    assert amx.padded_rows("layers", "bfloat16") == {1: 1, 2: 8, 4: 8, 8: 8, 16: 16}
+    assert amx.padded_rows("layers", "float32") == {1: 1, 2: 2, 4: 4, 8: 8, 16: 16}   # within the margin
+
+
+def test_a_padded_gemm_computes_the_same_rows(monkeypatch):
+    from segue.model import quant
+    seen = []
+    real = quant.F.linear
+
+    def spy(x, w, b=None):
+        seen.append(x.shape[0])
+        return real(x, w, b)
+
+    lw = quant.LinearWeights(torch.randn(48, 32), torch.randn(48), Quantization.NONE, torch.float32,
+                             padded_rows={1: 1, 2: 8, 4: 8, 8: 8, 16: 16})
+    x = torch.randn(3, 32)
+    monkeypatch.setattr(quant.F, "linear", spy)
+    out = lw(x)
+    assert seen == [8] and out.shape == (3, 48)
+    torch.testing.assert_close(out, real(x, lw.dense, lw.bias))
+    lw(torch.randn(1, 32))
+    lw(torch.randn(6, 32))
+    lw(torch.randn(40, 32))   # beyond the ladder: as it is
+    assert seen == [8, 1, 6, 40]

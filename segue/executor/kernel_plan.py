@@ -27,6 +27,9 @@ class KernelPlan:
     quantized_rows: int = 0
     head_quantized_rows: int = 0
     head_quantization: Quantization | None = None  # None: int8 under int4 layers, else the layers'
+    # The GEMMs' timed row counts, each with the count it runs fastest at (padded with zero rows).
+    padded_rows: tuple[tuple[int, int], ...] = ()
+    head_padded_rows: tuple[tuple[int, int], ...] = ()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -104,9 +107,13 @@ def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.devic
     head_rows = table.quantized_up_to("lm_head", "int8", dense) if head_quant is not Quantization.NONE else 0
     if not head_rows:
         head_quant = Quantization.NONE
-    plan = KernelPlan(DTYPES[dtype_name], quant, rows, head_rows, head_quant)
-    logger.info("kernels: %s; %s layers up to %d rows, %s LM head up to %d rows (the kernel table of %s)",
-                dtype_name, quant.value, rows, head_quant.value, head_rows, table.key.get("cpu"))
+    padded = tuple(table.padded_rows("layers", dense).items())
+    head_padded = tuple(table.padded_rows("lm_head", dense).items())
+    plan = KernelPlan(DTYPES[dtype_name], quant, rows, head_rows, head_quant, padded, head_padded)
+    pads = ", ".join(f"{a}->{b}" for a, b in padded if b != a) or "none"
+    logger.info("kernels: %s; %s layers up to %d rows, %s LM head up to %d rows, GEMM rows padded: %s "
+                "(the kernel table of %s)", dtype_name, quant.value, rows, head_quant.value, head_rows, pads,
+                table.key.get("cpu"))
     return plan
 
 

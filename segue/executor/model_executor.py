@@ -38,7 +38,8 @@ class ModelExecutor(Executor):
         self.plan = plan
         self.model = LlamaModel(ckpt.config, ckpt.weights, device, dtype, plan.quantization, kernels,
                                 dense_above=plan.quantized_rows, head_dense_above=plan.head_quantized_rows,
-                                head_quantization=plan.head_quantization)
+                                head_quantization=plan.head_quantization, padded_rows=dict(plan.padded_rows),
+                                head_padded_rows=dict(plan.head_padded_rows))
         cfg = ckpt.config
         logger.info("weights: %.0f MiB in memory (%s, %s layers)", self.model.weight_bytes() / 2**20,
                     str(dtype).removeprefix("torch."), plan.quantization.value)

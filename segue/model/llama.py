@@ -58,7 +58,8 @@ class LlamaModel:
                  device: torch.device, dtype: torch.dtype,
                  quantization: Quantization = Quantization.NONE, kernels: ModuleType | None = None,
                  dense_above: int = 16, head_dense_above: int = 16,
-                 head_quantization: Quantization | None = None) -> None:
+                 head_quantization: Quantization | None = None,
+                 padded_rows: dict[int, int] | None = None, head_padded_rows: dict[int, int] | None = None) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -70,7 +71,7 @@ class LlamaModel:
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeights:
             # Quantize from the checkpoint's own precision, not from a rounded compute-dtype copy.
-            return LinearWeights(weight.to(device), bias, quantization, dtype, kernels, dense_above)
+            return LinearWeights(weight.to(device), bias, quantization, dtype, kernels, dense_above, padded_rows)
 
         def raw(name: str) -> torch.Tensor:
             return weights[name]
@@ -83,7 +84,8 @@ class LlamaModel:
         head_quant: Quantization = Quantization.INT8 if quantization is Quantization.INT4 else quantization
         if head_quantization is not None:
             head_quant = head_quantization
-        self.lm_head = LinearWeights(head.to(device), None, head_quant, dtype, kernels, head_dense_above)
+        self.lm_head = LinearWeights(head.to(device), None, head_quant, dtype, kernels, head_dense_above,
+                                     head_padded_rows)
         self.norm = w("model.norm.weight")
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):

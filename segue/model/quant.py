@@ -85,8 +85,13 @@ class LinearWeights:
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quant: Quantization,
-                 dtype: torch.dtype, kernels: ModuleType | None = None, dense_above: int = 16) -> None:
+                 dtype: torch.dtype, kernels: ModuleType | None = None, dense_above: int = 16,
+                 padded_rows: dict[int, int] | None = None) -> None:
+        """`padded_rows`: the GEMM's timed row counts, each with the count it runs fastest at (the
+        kernel table's padded_rows); a batch pads to the target of the smallest timed count that
+        holds it, when that target is larger."""
         self.bias = bias
+        self.padded_rows = dict(sorted((padded_rows or {}).items()))
         self.out_features, self.in_features = weight.shape
         if not group_supported(self.in_features):
             quant = Quantization.NONE  # rows not a whole number of groups: keep full precision
@@ -120,6 +125,12 @@ class LinearWeights:
                 self.scale_lo = torch.stack([scale, lo], dim=-1).float().contiguous()
                 self._packed = [self.packed, self.scale_lo]
 
+    def _pad_target(self, rows: int) -> int:
+        for timed, target in self.padded_rows.items():
+            if timed >= rows:
+                return target if target > timed else rows
+        return rows
+
     @property
     def nbytes(self) -> int:
         """Bytes this layer's weights hold in memory (the packed form and any dense copy)."""
@@ -129,6 +140,10 @@ class LinearWeights:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernels is None or x.shape[0] > self.dense_above:
             assert self.dense is not None  # kept whenever some batch takes the GEMM
+            rows = x.shape[0]
+            target = self._pad_target(rows)
+            if target > rows:  # zero rows: the real rows' math is the same, only faster
+                return F.linear(torch.cat([x, x.new_zeros(target - rows, x.shape[1])]), self.dense, self.bias)[:rows]
             return F.linear(x, self.dense, self.bias)
         if self.mode is Quantization.INT8:
             out = self._kernels.int8_linear(x, self.q, self.scale)

@@ -24,6 +24,10 @@ MAX_ROUNDS = 6
 # A candidate replaces the default only when it is this much faster: below it the two are within
 # what rounds on a quiet machine differ by, and switching would follow noise.
 MARGIN = 0.05
+# A round's calls of one candidate take about this long at most: long calls (a 2,048-token
+# prefill's attention) need fewer repetitions to agree, and a new model's first start waits for
+# every one of them.
+ROUND_BUDGET_S = 0.05
 
 
 @dataclass
@@ -56,9 +60,14 @@ def time_candidates(candidates: dict[str, Sequence[Callable[[], object]]], reps:
     """Median ms of one call of each candidate (each a list of calls cycled through, e.g. over
     weight sets larger than the caches). The median, not the mean: on a small machine another
     process's time slice stalls an OpenMP region now and then (seen: 8 ms on a 0.2 ms call)."""
+    slowest = 0.0
     for calls in candidates.values():
         for call in calls:
+            t0 = time.perf_counter()
             call()  # warm-up: first touch of buffers, oneDNN's kernel selection
+            slowest = max(slowest, time.perf_counter() - t0)
+    width = max(len(calls) for calls in candidates.values())
+    reps = max(1, min(reps, int(ROUND_BUDGET_S / max(slowest * width, 1e-9))))
     samples: dict[str, list[float]] = {name: [] for name in candidates}
     last: dict[str, float] | None = None
     stable = False
