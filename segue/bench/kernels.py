@@ -23,6 +23,7 @@ def run(args: argparse.Namespace) -> int:
     from segue.model import attention_table as at
     from segue.model import kernel_table as kt
     from segue.model.cpu_kernels import load_cpu_kernels
+    from segue.model.fused_table import fused_table
     from segue.model.loader import load_checkpoint
 
     config = engine_config_from_args(args)
@@ -40,12 +41,15 @@ def run(args: argparse.Namespace) -> int:
     kv_dtype = plan.dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
     layout = at.HeadLayout.of(model, plan.dtype, kv_dtype)
     attention = at.attention_table(layout, kernels, device, remeasure=args.remeasure)
+    fused = fused_table(model, plan.dtype, kv_dtype, kernels, remeasure=args.remeasure) if kernels else None
     print(f"CPU: {table.key['cpu']} (flags {table.key['flags']}), {table.key['threads']} threads, "
           f"torch {table.key['torch']}, kernels {table.key['kernels']}")
     print(table.format() + ("\n(measured on a noisy machine: measured again at the next start)" if table.noisy else ""))
     print(f"attention at {layout.num_heads} query / {layout.num_kv_heads} KV heads of {layout.head_dim}, "
           f"{str(layout.dtype).removeprefix('torch.')} (cache {str(kv_dtype).removeprefix('torch.')}):")
     print(attention.format())
+    if fused is not None:
+        print(fused.format())
     print(f"plan for --dtype {config.model.dtype} --quantization {config.model.quantization}: "
           f"{str(plan.dtype).removeprefix('torch.')}; {plan.quantization.value} layers up to "
           f"{plan.quantized_rows} rows, {(plan.head_quantization or plan.quantization).value} LM head up to "
@@ -53,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"table": json.loads(table.to_json()), "attention": json.loads(attention.to_json()),
+                       "fused": json.loads(fused.to_json()) if fused else None,
                        "plan": {"dtype": str(plan.dtype).removeprefix("torch."),
                                 "quantization": plan.quantization.value,
                                 "quantized_rows": plan.quantized_rows,

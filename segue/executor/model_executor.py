@@ -15,9 +15,12 @@ from segue.kv.manager import cdiv
 from segue.model.attention import AttentionMetadata, PrefillChunk
 from segue.model.attention_backends import AttentionBackend, AttentionKind, causal_mask
 from segue.model.attention_table import AttentionPlan, plan_attention
+from segue.model.fused_ops import FusedOps
+from segue.model.fused_table import fused_table
 from segue.model.kv_cache import KVCache
 from segue.model.llama import LlamaModel
 from segue.model.loader import LoadedCheckpoint
+from segue.model.quant import EVERY_BATCH
 from segue.model.sampler import sample
 from segue.sched.output import ScheduledSeq, SchedulerOutput
 from segue.structured.bitmask import fill_bitmask
@@ -36,15 +39,22 @@ class ModelExecutor(Executor):
         self.config = ckpt.config
         self.quantization = plan.quantization
         self.plan = plan
+        self.kv_dtype = dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
+        fused = None
+        # Batch-invariant runs keep the native forms: one kernel per op whatever the batch.
+        if kernels is not None and device.type == "cpu" and plan.quantized_rows < EVERY_BATCH:
+            table = fused_table(ckpt.config, dtype, self.kv_dtype, kernels)
+            fused = FusedOps(kernels, table.chosen())
+            logger.info("elementwise ops: %s", "; ".join(
+                f"{op} " + ", ".join(f"{r}: {f}" for r, f in rows.items()) for op, rows in fused.chosen.items()))
         self.model = LlamaModel(ckpt.config, ckpt.weights, device, dtype, plan.quantization, kernels,
                                 dense_above=plan.quantized_rows, head_dense_above=plan.head_quantized_rows,
                                 head_quantization=plan.head_quantization, padded_rows=dict(plan.padded_rows),
-                                head_padded_rows=dict(plan.head_padded_rows))
+                                head_padded_rows=dict(plan.head_padded_rows), fused=fused)
         cfg = ckpt.config
         logger.info("weights: %.0f MiB in memory (%s, %s layers)", self.model.weight_bytes() / 2**20,
                     str(dtype).removeprefix("torch."), plan.quantization.value)
         self.block_size = cache.block_size
-        self.kv_dtype = dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
         if self.kv_dtype != dtype and not (dtype == torch.float32 and self.kv_dtype == torch.bfloat16):
             raise ConfigError(f"kv_cache_dtype {cache.kv_cache_dtype} under a {str(dtype).removeprefix('torch.')} "
                               "model: the cache takes the model's dtype, or bfloat16 under float32")

@@ -14,6 +14,7 @@ import torch
 
 from segue.model.attention import AttentionMetadata, paged_attention
 from segue.model.config import ModelConfig
+from segue.model.fused_ops import FusedOps
 from segue.model.kv_cache import KVCache
 from segue.model.quant import LinearWeights, Quantization
 
@@ -59,12 +60,16 @@ class LlamaModel:
                  quantization: Quantization = Quantization.NONE, kernels: ModuleType | None = None,
                  dense_above: int = 16, head_dense_above: int = 16,
                  head_quantization: Quantization | None = None,
-                 padded_rows: dict[int, int] | None = None, head_padded_rows: dict[int, int] | None = None) -> None:
+                 padded_rows: dict[int, int] | None = None, head_padded_rows: dict[int, int] | None = None,
+                 fused: FusedOps | None = None) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
         self.quantization = quantization
         self.kernels = kernels
+        # The elementwise ops' forms per row count (measured: segue/model/fused_table.py); native
+        # everywhere when not given.
+        self.ops = fused if fused is not None else FusedOps(kernels) if kernels is not None else None
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
@@ -156,24 +161,25 @@ class LlamaModel:
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        kv_cache: KVCache) -> torch.Tensor:
-        """The same math with each layer's elementwise steps as 4 native calls (CPU)."""
-        cfg, kern = self.config, self.kernels
-        assert kern is not None  # forward() takes this path only with the native kernels
+        """The same math with each layer's elementwise steps as 4 fused calls (CPU), each native or
+        torch's as measured."""
+        cfg, ops = self.config, self.ops
+        assert ops is not None  # forward() takes this path only with the native kernels
         nh, kvh, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         q_size, kv_size = nh * hd, kvh * hd
         h = self.embed_tokens[input_ids]  # a fresh tensor: the residual stream, updated in place
-        x = kern.add_rms_norm(h, None, self.layers[0].input_norm, eps)
+        x = ops.add_rms_norm(h, None, self.layers[0].input_norm, eps)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(x)
-            kern.rope_and_cache(qkv, positions, self.cos32, self.sin32, kv_cache.k[i], kv_cache.v[i],
-                                meta.slot_mapping, nh, kvh)
+            ops.rope_and_cache(qkv, positions, self.cos32, self.sin32, kv_cache.k[i], kv_cache.v[i],
+                               meta.slot_mapping, nh, kvh)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             attn = paged_attention(q.view(-1, nh, hd), k.view(-1, kvh, hd), v.view(-1, kvh, hd),
                                    kv_cache, i, meta, self.scale)
-            x = kern.add_rms_norm(h, layer.o(attn), layer.post_norm, eps)
-            mlp = layer.down(kern.silu_mul(layer.gate_up(x)))
-            x = kern.add_rms_norm(h, mlp, self.norm if i == last else self.layers[i + 1].input_norm, eps)
+            x = ops.add_rms_norm(h, layer.o(attn), layer.post_norm, eps)
+            mlp = layer.down(ops.silu_mul(layer.gate_up(x)))
+            x = ops.add_rms_norm(h, mlp, self.norm if i == last else self.layers[i + 1].input_norm, eps)
         return x
 
     @torch.inference_mode()
