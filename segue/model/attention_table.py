@@ -6,7 +6,7 @@ AVX512-BF16 EPYC the native tile wins. So at the first start with a model's head
 correct backend of each kind of attention (segue/model/attention_backends.py) is timed at a
 ladder of lengths, and the fastest runs per (kind, length range). Cached like the GEMM table
 (segue/model/kernel_table.py), under the CPU, thread count, torch, kernels' build and the head
-layout; a table timed while the machine was too noisy to decide is used once and measured again.
+layout; a table timed while the machine was too noisy to decide is measured again once it is quiet.
 """
 from __future__ import annotations
 
@@ -201,7 +201,7 @@ def _load_or_measure(layout: HeadLayout, kernels: ModuleType | None, device: tor
         text = load_cached("attention", key)
         if text is not None:
             table = AttentionTable.from_json(text)
-            if table.key == key and not table.noisy:
+            if table.key == key and timing.reuse_cached(table.noisy):
                 return table
             if table.noisy:
                 logger.info("the cached attention table was measured on a noisy machine: measuring again")

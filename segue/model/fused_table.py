@@ -69,7 +69,8 @@ _memo: dict[str, FusedTable] = {}
 
 def fused_table(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, kernels: ModuleType,
                 remeasure: bool = False) -> FusedTable:
-    """This machine's table for the model's widths: this process's, else cached unless noisy, else measured."""
+    """This machine's table for the model's widths: this process's, else the cached one (unless
+    timed on a busy machine and this one is quiet now), else measured."""
     key = table_key(config, dtype, kv_dtype, kernels)
     memo_key = json.dumps(key, sort_keys=True)
     if not remeasure and memo_key in _memo:
@@ -78,7 +79,7 @@ def fused_table(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, 
     text = None if remeasure else load_cached("fused", key)
     if text is not None:
         cached = FusedTable.from_json(text)
-        table = cached if cached.key == key and not cached.noisy else None
+        table = cached if cached.key == key and timing.reuse_cached(cached.noisy) else None
     if table is None:
         table = measure(config, dtype, kv_dtype, kernels, key)
         save_cached("fused", key, table.to_json())

@@ -333,7 +333,7 @@ def _load_or_measure(config: ModelConfig, kernels: ModuleType | None, key: dict[
         except (ValueError, KeyError) as e:
             logger.warning("ignoring an unreadable kernel table %s (%s)", table_path(key), e)
         else:
-            if table.key == key and not table.noisy and _has(table, quants, kernels):
+            if table.key == key and timing.reuse_cached(table.noisy) and _has(table, quants, kernels):
                 return table
             if table.noisy:
                 logger.info("the cached kernel table was measured on a noisy machine: measuring again")

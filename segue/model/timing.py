@@ -4,8 +4,8 @@ Both measured tables (GEMMs and quantized matmuls in kernel_table.py, attention 
 attention_table.py) time their candidates here. A table timed while a package install ran was
 3-7x slower per call than a quiet one on a 2-core Xeon, and it was cached for good; so rounds are
 repeated until two in a row agree, a candidate replaces the default only by a clear margin, and a
-measurement whose rounds never agreed is reported as noisy (its table is used for this run and
-measured again at the next start instead of being trusted).
+measurement whose rounds never agreed is reported as noisy (its table is used, and measured again
+at the first start that finds the machine quiet).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 # Rounds agree when every candidate's median moved by less than this between them.
 AGREE = 0.10
 MIN_ROUNDS = 2
-MAX_ROUNDS = 6
+MAX_ROUNDS = 4
 # A candidate replaces the default only when it is this much faster: below it the two are within
 # what rounds on a quiet machine differ by, and switching would follow noise.
 MARGIN = 0.05
@@ -90,6 +90,13 @@ def pick(ms: dict[str, float], default: str) -> str:
     if default not in ms or ms[best] < ms[default] * (1 - MARGIN):
         return best
     return default
+
+
+def reuse_cached(noisy: bool) -> bool:
+    """Whether a cached table can be used: one timed on a quiet machine always; one timed on a busy
+    machine only while this one is busy too (measuring again now would be as noisy, and would
+    delay every start under load); on a quiet machine it is measured again."""
+    return not noisy or machine_busy() is not None
 
 
 def machine_busy() -> str | None:
