@@ -38,9 +38,9 @@ def write_checkpoint(out: pathlib.Path, layers: int, seed: int, dtype_name: str)
     dtype = getattr(torch, dtype_name)
     tokenizer = load_gguf_tokenizer(default_model_path())
     vocab = len(tokenizer)
-    h, inter = SHAPES["hidden_size"], SHAPES["intermediate_size"]
-    hd = h // SHAPES["num_attention_heads"]
-    kv = SHAPES["num_key_value_heads"] * hd
+    h, inter = int(SHAPES["hidden_size"]), int(SHAPES["intermediate_size"])
+    hd = h // int(SHAPES["num_attention_heads"])
+    kv = int(SHAPES["num_key_value_heads"]) * hd
     gen = torch.Generator().manual_seed(seed)
 
     def normal(*shape: int, std: float = 0.02) -> torch.Tensor:

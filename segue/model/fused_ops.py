@@ -69,9 +69,11 @@ class FusedOps:
         impl = self.kernels.add_rms_norm if self._native("add_rms_norm", h.shape[0]) else add_rms_norm
         return impl(h, delta, weight, eps)
 
-    def rope_and_cache(self, qkv: torch.Tensor, *args: object) -> None:
+    def rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       num_heads: int, num_kv_heads: int) -> None:
         impl = self.kernels.rope_and_cache if self._native("rope_and_cache", qkv.shape[0]) else rope_and_cache
-        impl(qkv, *args)
+        impl(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         impl = self.kernels.silu_mul if self._native("silu_mul", gate_up.shape[0]) else silu_mul

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class Timing:
     stable: bool           # the last two rounds agreed
 
 
-def _round(candidates: dict[str, Sequence[Callable[[], object]]], reps: int) -> dict[str, list[float]]:
+def _round(candidates: Mapping[str, Sequence[Callable[[], object]]], reps: int) -> dict[str, list[float]]:
     """Candidates take turns call by call, so a spell of another process's load falls on all of
     them alike instead of on whichever was being timed."""
     times: dict[str, list[float]] = {name: [] for name in candidates}
@@ -55,7 +55,7 @@ def _median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2] * 1000
 
 
-def time_candidates(candidates: dict[str, Sequence[Callable[[], object]]], reps: int = 3,
+def time_candidates(candidates: Mapping[str, Sequence[Callable[[], object]]], reps: int = 3,
                     min_rounds: int = MIN_ROUNDS, max_rounds: int = MAX_ROUNDS) -> Timing:
     """Median ms of one call of each candidate (each a list of calls cycled through, e.g. over
     weight sets larger than the caches). The median, not the mean: on a small machine another
