@@ -128,7 +128,7 @@ def measure(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, kern
                 timings[op][form][str(rows)] = ms
     noisy = bool(busy or unstable)
     if noisy:
-        logger.warning("elementwise-op table measured on a noisy machine (%s): used for now, measured again at the "
-                       "next start", busy or "rounds disagreed at " + ", ".join(unstable))
+        logger.warning("elementwise-op table measured on a noisy machine (%s): used, and measured again at the first "
+                       "start that finds the machine quiet", busy or "rounds disagreed at " + ", ".join(unstable))
     logger.info("elementwise-op table measured in %.1f s", time.perf_counter() - t0)
     return FusedTable(key, timings, noisy)

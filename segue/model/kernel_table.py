@@ -102,7 +102,7 @@ class KernelTable:
     key: dict[str, str]
     # op ("layers": one decoder layer's four projections; "lm_head") -> candidate -> {rows: ms}
     timings_ms: dict[str, dict[str, dict[int, float]]]
-    # Timed while the machine was busy or its rounds never agreed: used, but measured again next start.
+    # Timed while the machine was busy or its rounds never agreed: measured again once it is quiet.
     noisy: bool = False
 
     def best(self, op: str, rows: int, candidates: tuple[str, ...]) -> str:
@@ -129,12 +129,7 @@ class KernelTable:
         """The dtype whose GEMMs are fastest, each timed row count weighing alike (the sum of
         log time ratios to the fastest dtype there): one disturbed measurement cannot outvote
         the rest, and tiny decode batches do not outweigh prefill chunks."""
-        times = self.timings_ms["layers"]
-
-        def cost(dtype: str) -> float:
-            return sum(math.log(times[dtype][rows] / min(times[d][rows] for d in DTYPES))
-                       for rows in times[dtype])
-        return min(DTYPES, key=cost)
+        return _leading_dtype(self.timings_ms["layers"])
 
     def quantized_up_to(self, op: str, quant: str, dtype: str) -> int:
         """The largest row count up to which the quantized kernel beats the `dtype` GEMM by the
@@ -168,6 +163,15 @@ class KernelTable:
                 cells = "".join(f"{cands[c][r]:11.3f}" if r in cands[c] else f"{'-':>11}" for c in cands)
                 lines.append(f"  {r:<8}" + cells + "   " + self.best(op, r, tuple(cands)))
         return "\n".join(lines)
+
+
+def _leading_dtype(times: dict[str, dict[int, float]]) -> str:
+    """Over the row counts every dtype was timed at."""
+    shared = set.intersection(*(set(times[d]) for d in DTYPES))
+
+    def cost(dtype: str) -> float:
+        return sum(math.log(times[dtype][rows] / min(times[d][rows] for d in DTYPES)) for rows in shared)
+    return min(DTYPES, key=cost)
 
 
 def _call_each(fs: Sequence[Callable[[Any], object]], xs: Sequence[Any]) -> list[object]:
@@ -222,9 +226,12 @@ def measure(config: ModelConfig, kernels: ModuleType | None, key: dict[str, str]
             # Activations in the GEMM's dtype; the quantized kernels take fp32 (they widen any other).
             xs = {name: [x.to(getattr(torch, name)) for x in x32] if name in DTYPES else x32 for name in built}
             # One call: a whole layer's projections (or the LM head), as the forward runs them.
+            # Past the quantized kernels' range only the leading dtype is timed: the dtype is
+            # decided by then, and a 2,048-row fp32 GEMM is a table's longest call.
+            timed = [d for d in DTYPES if rows <= QUANT_MAX_ROWS or d == _leading_dtype(out)] + \
+                ([q.value for q in quants] if rows <= QUANT_MAX_ROWS else [])
             calls: dict[str, list[Callable[[], object]]] = {
-                name: [functools.partial(_call_each, fs, xs[name]) for fs in layers[:n]]
-                for name, layers in built.items() if name in DTYPES or rows <= QUANT_MAX_ROWS}
+                name: [functools.partial(_call_each, fs, xs[name]) for fs in built[name][:n]] for name in timed}
             result = timing.time_candidates(calls, reps=3 if n > 1 else 5)
             if not result.stable:
                 unstable.append(f"{rows} rows")
@@ -242,8 +249,8 @@ def measure(config: ModelConfig, kernels: ModuleType | None, key: dict[str, str]
                "lm_head": layer_candidates([(config.vocab_size, h)], HEAD_ROWS, head_copies)}
     noisy = bool(busy or unstable)
     if noisy:
-        logger.warning("kernel table measured on a noisy machine (%s): used for now, measured again at the next "
-                       "start", busy or "rounds disagreed at " + ", ".join(unstable))
+        logger.warning("kernel table measured on a noisy machine (%s): used, and measured again at the first "
+                       "start that finds the machine quiet", busy or "rounds disagreed at " + ", ".join(unstable))
     logger.info("kernel table measured in %.1f s", time.perf_counter() - t0)
     return KernelTable(key, timings, noisy)
 
