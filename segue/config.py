@@ -78,6 +78,17 @@ class SchedulerConfig:
     # on the device across the tool gap, and admission gives a newcomer only the memory that the
     # retained histories and the running requests' prompts leave (thrashing avoidance, issue 25).
     agent_retention: bool = True
+    # The longest a new agent's first turn waits behind running agents' histories (seconds of the
+    # scheduler's clock; sched/newcomers.py): past it, it goes ahead of later turns sent after it
+    # and may release retained histories. None: no bound (only thrashing.py's recompute-time one).
+    # 10 s, measured on the simulator's pressure preset (seeds 1-3, steps 1.6x and 2x the default
+    # cost model, as on a slower CPU; BENCHMARKS.md): unbounded, a first token waited 20-28 s at
+    # p90 on seed 1; 10 s caps it at 10-11 s (vLLM's p90 on the AMX Xeon: 11 s) while plain
+    # clients' later turns keep 47-63 % of their mean-TTFT gain over FCFS, a p90 no worse than
+    # FCFS's, and agent time moves < 2.5 %. 5 s and 2 s cap it lower but at 2x give later turns
+    # a p90 worse than FCFS's (8.1 and 9.0 s against 6.8 s); 20 s keeps more of their gain but
+    # lets a newcomer wait 20 s.
+    max_newcomer_wait_s: float | None = 10.0
 
     def validate(self) -> None:
         if self.prefix_eviction not in ("lru", "reuse"):
@@ -92,6 +103,8 @@ class SchedulerConfig:
             raise ConfigError("max_model_len must be >= 2")
         if self.latency_capacity_tokens is not None and self.latency_capacity_tokens < 1:
             raise ConfigError("latency_capacity_tokens must be >= 1")
+        if self.max_newcomer_wait_s is not None and not self.max_newcomer_wait_s >= 0:
+            raise ConfigError("max_newcomer_wait_s must be >= 0 (None: no bound)")
 
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")

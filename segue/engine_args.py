@@ -15,6 +15,24 @@ from segue.config import (
 )
 
 
+def seconds_or_none(text: str) -> float | None:
+    """A flag's seconds, or none/off for no bound."""
+    if text.strip().lower() in ("none", "off"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or none, got {text!r}") from None
+
+
+def add_newcomer_wait_arg(g: argparse._ActionsContainer) -> None:
+    g.add_argument("--max-newcomer-wait-s", type=seconds_or_none, default=SchedulerConfig.max_newcomer_wait_s,
+                   metavar="S|none",
+                   help="the longest a new agent's first turn waits behind running agents' retained histories "
+                        "before it goes ahead of their later turns and may release them "
+                        f"(default: {SchedulerConfig.max_newcomer_wait_s:g}; none: no bound; segue/sched/newcomers.py)")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="a .gguf file or Hugging Face checkpoint directory "
@@ -60,6 +78,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-agent-retention", action="store_true",
                    help="turn off agent-aware retention and admission: finished turns' histories go straight "
                         "to the LRU prefix cache and admission does not protect them (segue/sched/agents.py)")
+    add_newcomer_wait_arg(g)
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context window in tokens (default: the model's)")
     g.add_argument("--policy", default=SchedulerConfig.policy, help="scheduling policy name")
@@ -85,6 +104,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   watermark=args.watermark, latency_capacity_tokens=args.latency_capacity_tokens,
                                   policy=args.policy, interception_policy=args.interception_policy,
                                   profile_path=args.profile_path,
-                                  agent_retention=not getattr(args, "no_agent_retention", False)),
+                                  agent_retention=not getattr(args, "no_agent_retention", False),
+                                  max_newcomer_wait_s=getattr(args, "max_newcomer_wait_s",
+                                                              SchedulerConfig.max_newcomer_wait_s)),
         num_threads=args.threads,
     ).validate()

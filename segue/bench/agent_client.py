@@ -58,6 +58,18 @@ class AgentRecord:
         return self.end - self.arrival - self.tool_s
 
 
+def turn_ttfts(records: list[AgentRecord]) -> tuple[list[float], list[float]]:
+    """Time to first token of the agents' first turns and of their later turns (turns whose
+    stream produced a token). The client knows which turn is an agent's first; the server may not."""
+    first: list[float] = []
+    later: list[float] = []
+    for rec in records:
+        for i, t in enumerate(rec.turns):
+            if t.first_token is not None:
+                (later if i else first).append(t.first_token - t.start)
+    return first, later
+
+
 @dataclass
 class AgentTexts:
     """The workload's text, drawn once per run so every mode sends the same words."""

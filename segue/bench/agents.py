@@ -14,7 +14,9 @@ example:
   segue bench agents --target sim --preset prof.json --kv-cache-tokens 8192 --max-model-len 4096
 
 Reported per configuration: mean agent time minus tool time (what the server costs an agent),
-preemptions, recompute waste, and the prefix-cache hit rate (the server's counters over the run).
+time to first token of agents' first turns and of their later turns (mean / p50 / p90: what holding
+newcomers back for running agents trades), preemptions, recompute waste, and the prefix-cache hit
+rate (the server's counters over the run).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from segue.bench import Benchmark
-from segue.sim.agent_report import _f, _mean, render
+from segue.sim.agent_report import _f, _mean, render, ttft_fields
 
 DEFAULT_CONFIGS = ("plain=mode:plain", "sessions-min-waste=mode:sessions,interception:min-waste",
                    "sessions-discard=mode:sessions,interception:discard",
@@ -139,7 +141,7 @@ def run_config(args: argparse.Namespace, cfg: AgentRunConfig, runner: Any) -> di
     if cfg.target == "url":
         import asyncio
 
-        from segue.bench.agent_client import drive_agents
+        from segue.bench.agent_client import drive_agents, turn_ttfts
         from segue.bench.client import ClientConfig
 
         client = ClientConfig(cfg.url or "", model=cfg.model, api_key=args.api_key,
@@ -148,6 +150,7 @@ def run_config(args: argparse.Namespace, cfg: AgentRunConfig, runner: Any) -> di
         recs = res["records"]
         srv = res["server"]
         turns = [t for r in recs for t in r.turns]
+        first, later = turn_ttfts(recs)
         hit = srv.get("prefix_hit_tokens")
         query = srv.get("prefix_query_tokens")
         modelled = srv.get("modelled_step_seconds")
@@ -163,6 +166,9 @@ def run_config(args: argparse.Namespace, cfg: AgentRunConfig, runner: Any) -> di
                    cached_share=sum(t.cached_tokens for t in turns) / max(1, sum(t.prompt_tokens for t in turns)),
                    computed_prompt_tokens=sum(t.prompt_tokens - t.cached_tokens for t in turns),
                    turn_ttft_mean=_mean([t.first_token - t.start for t in turns if t.first_token is not None]),
+                   # A newcomer's wait (its agent's first turn) apart from later turns': the trade
+                   # that protecting running agents' histories makes.
+                   first_turn_ttft_s=first, later_turn_ttft_s=later, **ttft_fields(first, later),
                    turn_latency_mean=_mean([t.end - t.start for t in turns]),
                    turns=[[r.index, t.start - r.arrival, (t.first_token or t.end) - t.start, t.end - t.start,
                            t.prompt_tokens, t.cached_tokens, t.completion_tokens] for r in recs for t in r.turns],
@@ -203,8 +209,9 @@ def run(args: argparse.Namespace) -> int:
         r = rows[-1]
         scale = r.get("step_time_over_model")
         print(f"done: {cfg.name}: {r['num_finished']}/{r['num_agents']} agents, mean agent time - tool time "
-              f"{_f(r['mean_busy_s'], '{:.2f}')} s" + (f"; server steps {scale:.2f}x what its profile charges"
-                                                     if scale else ""), file=sys.stderr, flush=True)
+              f"{_f(r['mean_busy_s'], '{:.2f}')} s, TTFT p90 first turns {_f(r.get('first_ttft_p90_s'), '{:.2f}')} s, "
+              f"later turns {_f(r.get('later_ttft_p90_s'), '{:.2f}')} s"
+              + (f"; server steps {scale:.2f}x what its profile charges" if scale else ""), file=sys.stderr, flush=True)
         for e in r.get("errors") or []:
             print(f"  error: {e}", file=sys.stderr)
     md = render(rows, f"segue bench agents — {AgentSpec.from_args(args).describe()}")

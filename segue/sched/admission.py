@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from segue.kv.block_pool import KVBlock
 from segue.request import Request, RequestStatus
+from segue.sched.newcomers import newcomers_first
 from segue.sched.output import SchedulerOutput
 from segue.sched.preemption import Room, make_room
 from segue.sched.reclaim import load_host_hits, release_waiting_kv, room_for_holder
@@ -137,7 +138,12 @@ class Admission:
     def candidates(self) -> Iterator[Request]:
         """The waiting requests in the policy's order, read no further than admission goes."""
         sched, seen = self.sched, set()
-        for req in sched.policy.order(sched.waiting, sched.now):
+        ordered = sched.policy.order(sched.waiting, sched.now)
+        if self.committed is not None:
+            # Thrashing avoidance holds newcomers back for running agents; past the newcomer bound
+            # they go ahead of the later turns sent after them.
+            ordered = newcomers_first(sched, ordered)
+        for req in ordered:
             if self.blocked is not None or (self.decode_room > 0 and self.budget <= self.decode_room):
                 # Behind a blocked head, or once the budget left is the decodes' share, only
                 # requests that already hold KV may run; under overload they are a few among

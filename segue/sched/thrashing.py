@@ -8,7 +8,8 @@ recompute. On the pressure preset (32 agents whose histories add up to ~3x an 8,
 real engine) admitting without this test cost 47-170 preemptions a run; with it, none, and
 1.10-1.24x less agent time (BENCHMARKS.md). A turn whose own history is retained, and a request
 that has waited past its starvation bound, may release others' histories, the least valuable
-first, and only when that lets it in. Non-preemptive orders only (sched/admission.py). Pure Python.
+first, and only when that lets it in; so may a new agent's first turn past the newcomer bound
+(sched/newcomers.py), paused contexts too. Non-preemptive orders only (sched/admission.py). Pure Python.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import math
 
 from segue.kv.block_pool import KVBlock
 from segue.request import Request, RequestStatus
+from segue.sched.newcomers import is_overdue
 from segue.sched.state import SchedulerState
 
 
@@ -75,18 +77,20 @@ def fit_beside_agents(sched: SchedulerState, req: Request, hits: list[KVBlock], 
     one that holds its context (a session's turn resumed after its tool, whose appended tokens
     and output grow it as much as a plain client's next prompt would). Retained histories are
     released for it when its own history is retained or held, or it is past its bound; a held
-    one also takes other paused requests' contexts, as a running request's growth would. A
-    request `alone` (nothing else runs or was admitted this step) always may: nothing else would
-    ever free memory for it."""
+    one also takes other paused requests' contexts, as a running request's growth would, and so
+    does a newcomer past the newcomer bound (a session holds what a plain client's agent
+    retains). A request `alone` (nothing else runs or was admitted this step) always may: nothing
+    else would ever free memory for it."""
     agents = sched.agents
     assert agents is not None
     short = _shortfall(sched, req, hits, committed)
     if alone or short <= 0:
         return Fit.FITS
-    past = _past_bound(sched, req, short)
+    overdue = is_overdue(sched, req)
+    past = overdue or _past_bound(sched, req, short)
     holds = req.num_computed_tokens > 0
     keep = agents.agent_of(req)
-    paused = sched.paused.releasable() if holds else []
+    paused = sched.paused.releasable() if holds or overdue else []
     histories = agents.releasable(keep) if past or holds or agents.is_resident(req) else []
     # All or nothing: a release that leaves the request waiting destroys others' KV for no
     # admission, and the same candidate asks again next step, so it would cascade through every
@@ -100,7 +104,7 @@ def fit_beside_agents(sched: SchedulerState, req: Request, hits: list[KVBlock], 
             short = _shortfall(sched, req, hits, committed)
         if short <= 0:
             return Fit.FITS
-        past = _past_bound(sched, req, short)
+        past = overdue or _past_bound(sched, req, short)
     return Fit.STARVES if past else Fit.WAITS
 
 

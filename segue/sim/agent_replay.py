@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from segue.sampling_params import SamplingParams
+from segue.sim.agent_report import ttft_fields
 from segue.sim.replay import token_range
 from segue.sim.script import scripted
 from segue.sim.workloads.agents import Agent, AgentSpec, system_prompt_ids, task_ids, tool_result_ids
@@ -41,7 +42,13 @@ class _AgentState:
     context: list[int]
     turn: int = 0
     end: float | None = None
-    turn_starts: list[float] = field(default_factory=list)
+    # Per turn: when it was sent (a session's next turn: when its tool ends) and its first token.
+    turn_starts: dict[int, float] = field(default_factory=dict)
+    first_tokens: dict[int, float] = field(default_factory=dict)
+
+    def ttfts(self) -> dict[int, float]:
+        """Time to first token of each turn that produced one."""
+        return {t: f - self.turn_starts[t] for t, f in self.first_tokens.items() if t in self.turn_starts}
 
 
 @dataclass
@@ -59,9 +66,14 @@ class EngineAgentResult:
     # Prompt-side tokens the engine computed: every batched token but the decode feeds (each
     # turn's generated tokens but its last, which the next turn's prompt or append carries).
     computed_prompt_tokens: int = 0
+    # Time to first token of agents' first turns (a newcomer's wait) and of their later turns.
+    first_turn_ttft_s: list[float] = field(default_factory=list)
+    later_turn_ttft_s: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"busy_s": self.busy_s, "num_agents": self.num_agents, "num_finished": len(self.busy_s),
+                "first_turn_ttft_s": self.first_turn_ttft_s, "later_turn_ttft_s": self.later_turn_ttft_s,
+                **ttft_fields(self.first_turn_ttft_s, self.later_turn_ttft_s),
                 "duration_s": self.duration_s, "wall_s": self.wall_s, "preemptions": self.preemptions,
                 "prefix_hit_tokens": self.prefix_hit_tokens, "prefix_query_tokens": self.prefix_query_tokens,
                 "waste_gbs": self.waste, "steps": self.steps, "stalled": self.stalled,
@@ -97,8 +109,10 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
     def submit(st: _AgentState, at: float) -> None:
         a = st.agent
         if mode == "plain":
+            st.turn_starts[st.turn] = at
             engine.add_request(f"a{a.index}-t{st.turn}", list(st.context), params, arrival_time=at)
             return
+        st.turn_starts[0] = at
         # Each pause ends a turn, as on the server: the client runs the tool and sends its result
         # as the next message.
         script = [TraceSegment(spec.output_tokens, a.tool_s[t], tool_result_ids(spec, a, t, vocab), kind=TURN)
@@ -143,6 +157,7 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
             act(idx, action, at)
         if engine.has_unfinished_requests():
             for out in engine.step():
+                _time_turn(states, out, mode, spec.output_tokens, engine.clock())
                 if out.finished:
                     last = max(last, engine.clock())
                     finished(out.request_id, out.outputs[0].token_ids, engine.clock())
@@ -168,6 +183,7 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
             break
         clock_wait(min(events))
     busy = [st.end - st.arrival - st.agent.total_tool_s for st in states.values() if st.end is not None]
+    ttfts = [st.ttfts() for st in states.values()]
     waste1 = engine.waste.totals.as_dict()
     turns_done = sum(st.agent.num_turns if st.end is not None else st.turn for st in states.values())
     return EngineAgentResult(
@@ -175,4 +191,23 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
         engine.scheduler.num_preemptions_total - pre0, engine.scheduler.prefix_hit_tokens - hit0,
         engine.scheduler.prefix_query_tokens - query0, {k: waste1[k] - waste0.get(k, 0.0) for k in waste1},
         engine.num_steps - steps0, stalled,
-        engine.scheduler.num_batched_tokens_total - batched0 - turns_done * (spec.output_tokens - 1))
+        engine.scheduler.num_batched_tokens_total - batched0 - turns_done * (spec.output_tokens - 1),
+        [t[0] for t in ttfts if 0 in t], [x for t in ttfts for turn, x in sorted(t.items()) if turn > 0])
+
+
+def _time_turn(states: dict[int, _AgentState], out: Any, mode: str, output_tokens: int, now: float) -> None:
+    """Record a turn's first token, and (sessions) when the next turn is sent: its tool's end."""
+    n = out.outputs[0].num_generated_tokens
+    if n < 1:
+        return
+    head, _, tail = out.request_id[1:].partition("-t")
+    st = states[int(head)]
+    if mode == "plain":
+        st.first_tokens.setdefault(int(tail), now)
+        return
+    turn = (n - 1) // output_tokens
+    if turn < st.agent.num_turns:
+        st.first_tokens.setdefault(turn, now)
+    if n % output_tokens == 0 and turn + 1 < st.agent.num_turns:
+        # The script pauses here and resumes after the tool (ScriptedRequests.after_token).
+        st.turn_starts[turn + 1] = now + st.agent.tool_s[turn]

@@ -1,7 +1,16 @@
-"""The agent workload's report table, shared by `segue sim --workload agents` and `segue bench agents`."""
+"""The agent workload's report table, shared by `segue sim --workload agents` and `segue bench agents`.
+
+Beside agent time it reports the trade that protecting running agents makes: time to first token
+of agents' first turns (a newcomer waiting for memory) apart from their later turns (whose histories
+retention keeps), each as mean / p50 / p90."""
 from __future__ import annotations
 
 from typing import Any
+
+from segue.sim.metrics import percentiles
+
+TTFT_KINDS = ("first", "later")
+TTFT_STATS = ("mean", "p50", "p90")
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -12,15 +21,33 @@ def _f(v: Any, fmt: str) -> str:
     return "n/a" if v is None else fmt.format(v)
 
 
+def ttft_fields(first: list[float], later: list[float]) -> dict[str, float | None]:
+    """`{first,later}_ttft_{mean,p50,p90}_s` of first turns' and later turns' TTFTs (None: no turn)."""
+    fields: dict[str, float | None] = {}
+    for kind, xs in zip(TTFT_KINDS, (first, later), strict=True):
+        p = percentiles(xs, (50.0, 90.0)) if xs else {}
+        fields[f"{kind}_ttft_mean_s"] = _mean(xs)
+        fields[f"{kind}_ttft_p50_s"] = p.get("p50")
+        fields[f"{kind}_ttft_p90_s"] = p.get("p90")
+    return fields
+
+
+def _ttft_cell(r: dict[str, Any], kind: str) -> str:
+    vals = [r.get(f"{kind}_ttft_{s}_s") for s in TTFT_STATS]
+    return "n/a" if all(v is None for v in vals) else " / ".join(_f(v, "{:.2f}") for v in vals)
+
+
 def render(rows: list[dict[str, Any]], title: str) -> str:
     lines = [f"### {title}", "", "| config | target | mode | interception | done | agent time − tool time (s) | "
+             "first-turn TTFT mean / p50 / p90 (s) | later-turn TTFT mean / p50 / p90 (s) | "
              "preemptions | recompute waste (GB·s) | total waste (GB·s) | prefix hits | computed prompt tokens "
-             "(× minimum) |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "(× minimum) |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         computed, least = r.get("computed_prompt_tokens"), r.get("min_prompt_tokens")
         ratio = f" ({computed / least:.2f}×)" if computed is not None and least else ""
         lines.append(f"| {r['config']} | {r['target']} | {r['mode']} | {r['interception'] or 'server default'} | "
                      f"{r['num_finished']}/{r['num_agents']} | {_f(r['mean_busy_s'], '{:.2f}')} | "
+                     f"{_ttft_cell(r, 'first')} | {_ttft_cell(r, 'later')} | "
                      f"{_f(r['preemptions'], '{:.0f}')} | {_f(r['recompute_gbs'], '{:.2f}')} | "
                      f"{_f(r['waste_total_gbs'], '{:.2f}')} | {_f(r['prefix_hit'], '{:.0%}')} | "
                      f"{_f(computed, '{:,}')}{ratio} |")

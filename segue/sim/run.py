@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from segue.config import SchedulerConfig
+from segue.engine_args import add_newcomer_wait_arg
 from segue.sched.interception import INTERCEPTION_POLICIES
 from segue.sim.engine import default_kv_cache_tokens
 
@@ -86,6 +87,7 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of the KV pool kept free when admitting new requests (default: 0)")
     g.add_argument("--no-agent-retention", action="store_true",
                    help="turn off agent-aware retention and admission (SchedulerConfig.agent_retention)")
+    add_newcomer_wait_arg(g)
     g.add_argument("--oracle-predictions", action="store_true",
                    help="policies see each request's true segment lengths and pause durations")
     g.add_argument("--prediction-noise", type=float, default=0.0, metavar="SIGMA",
@@ -194,7 +196,8 @@ def run_sim(args: argparse.Namespace) -> int:
                 scheduler=SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=args.max_num_seqs,
                                           watermark=args.watermark,
                                           policy=args.policy, policy_options=dict(args.policy_option),
-                                          interception_policy=name, agent_retention=not args.no_agent_retention),
+                                          interception_policy=name, agent_retention=not args.no_agent_retention,
+                                          max_newcomer_wait_s=args.max_newcomer_wait_s),
                 predictor=PredictorConfig(oracle=args.oracle_predictions, noise_sigma=args.prediction_noise))
             clock = SimClock()
             engine = make_sim_engine(cost, kv_tokens, config, max_model_len=args.max_model_len, clock=clock)

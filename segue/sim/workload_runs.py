@@ -71,7 +71,8 @@ def _engine(args: argparse.Namespace, interception: str | None = None, prefix_ca
                                   policy_options=dict(args.policy_option), latency_capacity_tokens=latency_capacity,
                                   interception_policy=interception or "min-waste",
                                   prefix_eviction=prefix_eviction,
-                                  agent_retention=not args.no_agent_retention))
+                                  agent_retention=not args.no_agent_retention,
+                                  max_newcomer_wait_s=args.max_newcomer_wait_s))
     return make_sim_engine(cost, kv, config, max_model_len=args.max_model_len)
 
 

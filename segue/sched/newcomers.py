@@ -1,0 +1,86 @@
+"""The newcomer bound: how long a new agent's first turn may wait behind running agents, in seconds
+of the scheduler's clock (`SchedulerConfig.max_newcomer_wait_s`). Pure Python.
+
+Thrashing avoidance (sched/thrashing.py) protects running agents: their later turns queue by their
+agent's first arrival (sched/agents.py) and their histories stay retained, so a new agent starts
+only in the memory those leave. Under pressure that memory rarely comes: on an AMX Xeon (pressure
+preset) a new agent's first token took 166 s at p90 against vLLM's 11 s, and the wait grows with
+the machine's step time, not with anything the scheduler measures. Past the bound a newcomer goes
+ahead: admission offers it before agents' later turns sent after it (`newcomers_first`; they
+queue by their agent's first arrival, so without the bound they all go first), and it may release
+others' retained histories and paused contexts, as much as makes it fit and no more (thrashing.py's
+all-or-nothing release); short even then, it keeps the memory that frees up (head-of-line).
+
+A newcomer is a request of an agent's first turn (one no earlier turn links to) that has not
+produced a token yet; a later turn is a request that continues an agent (a plain client's next
+prompt) or a session resumed at a turn's end. A tool call's resume (the InferCept trace) is
+neither: the bound never reorders it.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+from segue.request import Request
+from segue.sched.state import SchedulerState
+
+
+def is_newcomer(sched: SchedulerState, req: Request) -> bool:
+    """A first turn that has not produced its first token (with agent tracking on)."""
+    agents = sched.agents
+    if agents is None or req.num_generated_tokens > 0:
+        return False
+    agent = agents.agent_of(req)
+    return agent is not None and agent.turns == 1
+
+
+def is_later_turn(sched: SchedulerState, req: Request) -> bool:
+    """A turn after an agent's first: a plain client's next prompt, or a session resumed at a turn end."""
+    if req.interceptions and req.interceptions[-1].turn_end:
+        return True
+    agents = sched.agents
+    agent = agents.agent_of(req) if agents is not None else None
+    return agent is not None and agent.turns > 1
+
+
+def is_overdue(sched: SchedulerState, req: Request) -> bool:
+    """A newcomer that has waited past the bound (measured from its arrival on the scheduler's clock)."""
+    bound = sched.config.max_newcomer_wait_s
+    # The cheap test first: admission asks for every waiting request it reaches.
+    return bound is not None and sched.now - req.arrival_time >= bound and is_newcomer(sched, req)
+
+
+def turn_arrival(req: Request) -> float:
+    """When a turn was sent: a session's resumed turn when its resume came, others at arrival."""
+    last = req.interceptions[-1] if req.interceptions else None
+    return last.t_resume if last is not None and last.t_resume is not None else req.arrival_time
+
+
+def newcomers_first(sched: SchedulerState, ordered: Iterable[Request]) -> Iterator[Request]:
+    """`ordered` (the policy's order), with each overdue newcomer moved just ahead of the first
+    later turn sent after it, as FCFS by each turn's own arrival would put it; the later turns
+    ahead of that one, sent before it, keep their place. Lazy: the queue behind the first later
+    turn is read only when admission gets that far (under overload it holds thousands)."""
+    if sched.config.max_newcomer_wait_s is None:
+        yield from ordered
+        return
+    it = iter(ordered)
+    for req in it:
+        if not is_later_turn(sched, req):
+            yield req
+            continue
+        rest = [req, *it]
+        pending = deque(sorted((r for r in rest if is_overdue(sched, r)), key=lambda r: r.arrival_time))
+        done: set[str] = set()
+        for r in rest:
+            if is_later_turn(sched, r):
+                sent = turn_arrival(r)
+                while pending and pending[0].arrival_time < sent:
+                    newcomer = pending.popleft()
+                    if newcomer.request_id not in done:
+                        done.add(newcomer.request_id)
+                        yield newcomer
+            if r.request_id not in done:
+                done.add(r.request_id)
+                yield r
+        return
