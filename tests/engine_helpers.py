@@ -18,16 +18,18 @@ from segue.outputs import RequestOutput
 def make_engine(path: Any, *, policy: str | None = None, block_size: int = 16, kv_tokens: int = 4096,
                 swap_tokens: int | None = None, budget: int | None = None, max_seqs: int | None = None,
                 prefix_caching: bool = True, quantization: str | None = None,
-                torch_attention: bool = False, attention: str = "auto") -> LLMEngine:
+                torch_attention: bool = False, attention: str = "auto", batch_invariant: bool = False) -> LLMEngine:
     """A float32 CPU engine over the checkpoint at `path`. Unset options keep the configs' defaults
     (quantization "auto" among them); `torch_attention` swaps the native kernels for the pure torch
-    forward (what CUDA runs); `attention` forces an attention backend (ModelLoadConfig.attention_backend)."""
+    forward (what CUDA runs); `attention` forces an attention backend (ModelLoadConfig.attention_backend);
+    `batch_invariant` is ModelLoadConfig.batch_invariant."""
     cache = CacheConfig(block_size=block_size, kv_cache_tokens=kv_tokens, enable_prefix_caching=prefix_caching,
                         **({"swap_space_tokens": swap_tokens} if swap_tokens is not None else {}))
     scheduler = SchedulerConfig(**({"interception_policy": policy} if policy is not None else {}),
                                 **({"max_num_batched_tokens": budget} if budget is not None else {}),
                                 **({"max_num_seqs": max_seqs} if max_seqs is not None else {}))
     model = ModelLoadConfig(model=str(path), dtype="float32", device="cpu", attention_backend=attention,
+                            batch_invariant=batch_invariant,
                             **({"quantization": quantization} if quantization is not None else {}))
     engine = LLMEngine(EngineConfig(model=model, cache=cache, scheduler=scheduler))
     if torch_attention:

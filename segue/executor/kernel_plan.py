@@ -30,6 +30,8 @@ class KernelPlan:
     # The GEMMs' timed row counts, each with the count it runs fastest at (padded with zero rows).
     padded_rows: tuple[tuple[int, int], ...] = ()
     head_padded_rows: tuple[tuple[int, int], ...] = ()
+    # Every row of a step runs the same kernels whatever the others (ModelExecutor: attention too).
+    batch_invariant: bool = False
 
 
 def resolve_device(name: str) -> torch.device:
@@ -119,8 +121,10 @@ def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.devic
 
 def _batch_invariant_plan(load: ModelLoadConfig, device: torch.device, kernels: ModuleType | None) -> KernelPlan:
     """The native quantized kernels at every batch size: each output row is summed in the same
-    order whatever the other rows (segue/model/csrc/quant_ops.cpp), as are the attention kernels'
-    rows, so nothing in a request's forward depends on the batch."""
+    order whatever the other rows (segue/model/csrc/quant_ops.cpp), as are the fused ops' rows;
+    the executor runs every row through one attention kernel in position order (ModelExecutor.
+    _invariant_attention). So nothing in a request's forward depends on the batch, its chunking,
+    its block ids or a prefix-cache hit, to the bit (tests/test_batch_invariant.py)."""
     if device.type != "cpu" or kernels is None:
         raise ConfigError("batch_invariant needs the native CPU kernels (a CPU device with a working compiler)")
     if load.quantization == "none":
@@ -129,4 +133,4 @@ def _batch_invariant_plan(load: ModelLoadConfig, device: torch.device, kernels: 
     quant = Quantization.INT4 if load.quantization == "int4" else Quantization.INT8
     # The kernels accumulate in fp32; bf16 activations would only add a rounding per layer.
     dtype = torch.float32 if load.dtype == "auto" else DTYPES[load.dtype]
-    return KernelPlan(dtype, quant, EVERY_BATCH, EVERY_BATCH, Quantization.INT8)
+    return KernelPlan(dtype, quant, EVERY_BATCH, EVERY_BATCH, Quantization.INT8, batch_invariant=True)

@@ -1,6 +1,7 @@
 """Runs scheduled batches through the torch model over the paged KV cache."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Collection
@@ -74,13 +75,41 @@ class ModelExecutor(Executor):
         # Requests whose next sampled token should carry its hidden state (want_hidden_states).
         self._hidden_for: frozenset[str] = frozenset()
         self.kernels = kernels
-        self.attention = attention if isinstance(attention, AttentionPlan) else \
-            plan_attention(cfg, dtype, self.kv_dtype, device, kernels, attention)
-        logger.info("attention: %s", self.attention.describe())
+        self.invariant_attention = self._invariant_attention(attention) if plan.batch_invariant else None
+        if self.invariant_attention is not None:
+            self.attention = AttentionPlan({kind: AttentionBackend.NATIVE for kind in AttentionKind})
+            logger.info("attention: batch-invariant, every row through the native %s kernel", self.invariant_attention)
+        else:
+            self.attention = attention if isinstance(attention, AttentionPlan) else \
+                plan_attention(cfg, dtype, self.kv_dtype, device, kernels, attention)
+            logger.info("attention: %s", self.attention.describe())
         logger.info("KV cache: %d device blocks (%d tokens, %.0f MiB, %s), %d host blocks",
                     self.num_device_blocks, self.num_device_blocks * cache.block_size,
                     self.num_device_blocks * block_bytes / 2**20, str(self.kv_dtype).removeprefix("torch."),
                     self.num_host_blocks)
+
+    def _invariant_attention(self, attention: AttentionPlan | str) -> str:
+        """Batch-invariant runs send every row, decodes included, through one kernel whose sums for
+        a row depend only on its position and its sequence's logical KV, never on the other rows,
+        the chunking or the block ids; no measured switching between backends. The paged prefill
+        kernel where it takes the head layout (a decode is a 1-token chunk; each row walks keys in
+        position order, in tiles aligned at position 0 whatever its chunk, and masked keys add
+        exact zeros); else the decode kernel, each token a query of its own, summed in position
+        order (not block-id order)."""
+        cfg = self.config
+        if attention not in ("auto", AttentionBackend.NATIVE.value):
+            raise ConfigError(f"batch_invariant runs the native attention kernels, not attention backend {attention}")
+        assert self.kernels is not None  # _batch_invariant_plan requires them
+        group = cfg.num_heads // cfg.num_kv_heads
+        if self.kernels.paged_prefill_supports(self.dtype, self.kv_dtype, cfg.head_dim, group):
+            return "prefill"
+        if group > 16:
+            raise ConfigError(f"batch_invariant: no native attention kernel takes {group} query heads per KV head "
+                              f"at head size {cfg.head_dim}")
+        self._logical_decode = ModuleType(f"{self.kernels.__name__}_logical_order")
+        self._logical_decode.paged_decode_attention = functools.partial(  # type: ignore[attr-defined]
+            self.kernels.paged_decode_attention, logical_order=True)
+        return "decode"
 
     def _order(self, seqs: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, AttentionBackend]]:
         """Each sequence with its attention backend, in the row order paged_attention takes:
@@ -98,21 +127,44 @@ class ModelExecutor(Executor):
                 chunks.append((s, self.attention.backend(kind, s.num_tokens, s.start_pos)))
         return order + sorted(chunks, key=lambda c: c[1] is not AttentionBackend.NATIVE)
 
-    def _build_metadata(self, order: list[tuple[ScheduledSeq, AttentionBackend]]
-                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _token_rows(self, seqs: list[ScheduledSeq]) -> tuple[list[int], list[int], AttentionMetadata]:
+        """Token ids and positions of the step's rows, in `seqs` order, and their cache slots."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        for seq, _ in order:
+        for seq in seqs:
             table = seq.block_table
             for j, tok in enumerate(seq.token_ids):
                 pos = seq.start_pos + j
                 ids.append(tok)
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
+        return ids, positions, AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device))
+
+    def _invariant_metadata(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Every row through invariant_attention's kernel, in the scheduler's order."""
+        ids, positions, meta = self._token_rows(seqs)
+        if self.invariant_attention == "prefill":
+            self._native_prefill_metadata(meta, seqs)
+        else:
+            # Each token a decode query over its own prefix: one padded table row per token.
+            max_blocks = max(cdiv(s.start_pos + s.num_tokens, self.block_size) for s in seqs)
+            tables = []
+            for s in seqs:
+                table = s.block_table[:max_blocks]
+                tables.append(torch.tensor(table + [0] * (max_blocks - len(table))).expand(s.num_tokens, -1))
+            meta.num_decodes = len(ids)
+            meta.decode_blocks = torch.cat(tables).view(-1)
+            meta.decode_context_lens = torch.tensor(positions) + 1
+            meta.decode_kernel = self._logical_decode
+        return torch.tensor(ids), torch.tensor(positions), meta
+
+    def _build_metadata(self, order: list[tuple[ScheduledSeq, AttentionBackend]]
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids, positions, meta = self._token_rows([s for s, _ in order])
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev))
         decodes = [s for s, _ in order if s.num_tokens == 1]
         meta.num_decodes = len(decodes)
         if decodes:
@@ -181,9 +233,13 @@ class ModelExecutor(Executor):
     def _run(self, out: SchedulerOutput, hidden_for: frozenset[str] = frozenset()) -> dict[str, SampledToken]:
         if not out.seqs:
             return {}
-        order = self._order(out.seqs)
-        seqs = [s for s, _ in order]
-        input_ids, positions, meta = self._build_metadata(order)
+        if self.invariant_attention is not None:
+            seqs = out.seqs
+            input_ids, positions, meta = self._invariant_metadata(seqs)
+        else:
+            order = self._order(out.seqs)
+            seqs = [s for s, _ in order]
+            input_ids, positions, meta = self._build_metadata(order)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
         rows, sampled_seqs, row = [], [], 0
         for s in seqs:

@@ -105,7 +105,8 @@ inline void load64(const c10::BFloat16* p, __m256* r) {  // bf16 is the top half
 
 // Calls fn(row, pos) for each of a sequence's first ctx cached 64-wide rows of one head. Blocks
 // are visited in the order of their ids (`order`: the table's indices sorted by block id), not
-// the table's: attention does not depend on the order positions are visited in, and the CPU's
+// the table's (unless asked, see block_order): attention does not depend on the order positions
+// are visited in, beyond the last bits of its sums, and the CPU's
 // prefetchers stream memory read in ascending order only. A busy pool evicts a finished table
 // tail first, so the blocks it hands the next sequence often run backwards: 4 sequences x 2,000
 // tokens, 30 layers, read in table order took 20 ms over reversed or pairwise-swapped consecutive
@@ -192,12 +193,15 @@ void attend64(const float* qs, const T* kp, const T* vp, const int64_t* table, c
 }  // namespace avx2
 #endif
 
-// The indices of a sequence's first ctx / block_size table entries, sorted by block id: the order
-// for_each_row visits them in. Shared by the sequence's KV heads.
-static std::vector<int64_t> block_order(const int64_t* table, int64_t ctx, int64_t block_size) {
+// The indices of a sequence's first ctx / block_size table entries in the order for_each_row
+// visits them: sorted by block id, or in the table's (logical) order when `logical`. P.V is summed
+// in visiting order, so sorted ids make the output's last bits depend on where the pool put the
+// blocks; batch-invariant runs ask for the logical order. Shared by the sequence's KV heads.
+static std::vector<int64_t> block_order(const int64_t* table, int64_t ctx, int64_t block_size, bool logical) {
   std::vector<int64_t> order((ctx + block_size - 1) / block_size);
   for (int64_t b = 0; b < static_cast<int64_t>(order.size()); ++b) order[b] = b;
-  std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return table[x] < table[y]; });
+  if (!logical)
+    std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return table[x] < table[y]; });
   return order;
 }
 
@@ -205,7 +209,8 @@ static std::vector<int64_t> block_order(const int64_t* table, int64_t ctx, int64
 template <typename T, typename C>
 static void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
                                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                  const torch::Tensor& context_lens, float scale, torch::Tensor& out) {
+                                  const torch::Tensor& context_lens, float scale, bool logical_order,
+                                  torch::Tensor& out) {
   const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = heads / kv_heads, max_blocks = block_tables.size(1);
@@ -218,7 +223,7 @@ static void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k
 
   // Once per sequence, not per (sequence, KV head) item.
   std::vector<std::vector<int64_t>> orders(n);
-  for (int64_t s = 0; s < n; ++s) orders[s] = block_order(bt + s * max_blocks, cl[s], block_size);
+  for (int64_t s = 0; s < n; ++s) orders[s] = block_order(bt + s * max_blocks, cl[s], block_size, logical_order);
   // Plain OpenMP rather than at::parallel_for: the latter runs serially in extensions built
   // without torch's own OpenMP setup (measured: no speedup from a second thread).
 #pragma omp parallel if (n * kv_heads > 1)
@@ -259,7 +264,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [n, heads, 
                                      torch::Tensor v_cache,
                                      torch::Tensor block_tables,  // [n, max_blocks] int64
                                      torch::Tensor context_lens,  // [n] int64
-                                     double scale) {
+                                     double scale,
+                                     bool logical_order) {        // sum over positions in order (bitwise reproducible)
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode_attention: K and V caches differ in dtype");
   const bool bf16_cache = q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(bf16_cache || q.scalar_type() == k_cache.scalar_type(),
@@ -294,12 +300,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [n, heads, 
   auto out = torch::empty_like(q);
   if (bf16_cache) {
     decode_attention_impl<float, c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens,
-                                                static_cast<float>(scale), out);
+                                                static_cast<float>(scale), logical_order, out);
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_attention_impl<scalar_t, scalar_t>(q, k_cache, v_cache, block_tables, context_lens,
-                                              static_cast<float>(scale), out);
+                                              static_cast<float>(scale), logical_order, out);
   });
   return out;
 }
@@ -320,7 +326,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale)
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_lo);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU; fp32 accumulation)");
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU; fp32 accumulation)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("logical_order") = false);
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "Causal attention of prefill chunks over the paged cache (CPU; tiled online softmax)");
   m.def("paged_prefill_supports", &paged_prefill_supports,
