@@ -121,14 +121,16 @@ class ModelLoadConfig:
     dtype: str = "auto"
     device: str = "auto"
     served_model_name: str | None = None
-    # Weight-only quantization of the linear layers: "auto" (on CPU int8 for the batch sizes where
-    # the kernel table measured it faster, float32 models only; none on CUDA), "none", "int8" or
+    # Weight-only quantization of the linear layers: "auto" (on CPU, a format that holds the
+    # checkpoint exactly, e.g. a GGUF Q4_1 / Q8_0 file's, for the batch sizes where the kernel
+    # table measured it faster; never a lossy re-quantization; none on CUDA), "none", "int8" or
     # "int4", both with a scale per group of 32 weights along the input (segue/model/quant.py).
     quantization: str = "auto"
-    # Every batch size runs the same kernels (the quantized native ones, whose per-row summation
-    # order does not depend on the other rows), so a request's output does not depend on the load;
-    # prefill is slower. Off by default, as in vLLM: then batches above the quantized range run a
-    # GEMM over the same dequantized weights, and only the summation order differs.
+    # Bitwise: a request's logits do not depend on the load. Every batch size runs the quantized
+    # native GEMMs and every row, decodes included, one native attention kernel in position order
+    # (segue/executor/model_executor.py), with no measured switching; prefill and decode are
+    # slower. Off by default, as in vLLM: then batches above the quantized range run a GEMM over
+    # the same dequantized weights, and only the summation order differs.
     batch_invariant: bool = False
     # Attention backend per kind of work (decode, prefill from 0, extend over cached context):
     # "auto" is measured on CPU among the native kernels and torch's (segue/model/attention_table.py);

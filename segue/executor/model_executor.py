@@ -21,7 +21,6 @@ from segue.model.fused_table import fused_table
 from segue.model.kv_cache import KVCache
 from segue.model.llama import LlamaModel
 from segue.model.loader import LoadedCheckpoint
-from segue.model.quant import EVERY_BATCH
 from segue.model.sampler import sample
 from segue.sched.output import ScheduledSeq, SchedulerOutput
 from segue.structured.bitmask import fill_bitmask
@@ -43,7 +42,7 @@ class ModelExecutor(Executor):
         self.kv_dtype = dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
         fused = None
         # Batch-invariant runs keep the native forms: one kernel per op whatever the batch.
-        if kernels is not None and device.type == "cpu" and plan.quantized_rows < EVERY_BATCH:
+        if kernels is not None and device.type == "cpu" and not plan.batch_invariant:
             table = fused_table(ckpt.config, dtype, self.kv_dtype, kernels)
             fused = FusedOps(kernels, table.chosen())
             logger.info("elementwise ops: %s", "; ".join(

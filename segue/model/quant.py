@@ -94,6 +94,11 @@ class LinearWeights:
         self.padded_rows = dict(sorted((padded_rows or {}).items()))
         self.out_features, self.in_features = weight.shape
         if not group_supported(self.in_features):
+            if kernels is not None and dense_above >= EVERY_BATCH:
+                # The native kernel was to take every batch (batch-invariant runs): a GEMM instead
+                # would sum in an order that depends on the batch.
+                raise ValueError(f"a {self.in_features}-wide input is not a whole number of groups of "
+                                 f"{GROUP_SIZE}: the native quantized kernel cannot take every batch")
             quant = Quantization.NONE  # rows not a whole number of groups: keep full precision
         if kernels is not None and dense_above <= 0:
             quant = Quantization.NONE  # the kernel table found no batch size where it wins
