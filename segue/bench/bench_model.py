@@ -24,7 +24,7 @@ SHAPES = {"hidden_size": 1536, "intermediate_size": 8960, "num_attention_heads":
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="directory to write the checkpoint to")
     p.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="weights are drawn from a generator seeded with it")
     p.add_argument("--weight-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="stored weight dtype")
 
 
