@@ -3,14 +3,24 @@ greedy agreement at every position of one fixed continuation, and perplexity on 
 Teacher forcing keeps one early disagreement from cascading into a different continuation."""
 from __future__ import annotations
 
+import itertools
 import math
+import pathlib
+import re
+from dataclasses import dataclass, field
+from types import ModuleType
+from unittest import mock
 
 import torch
 
+from segue.config import CacheConfig, ModelLoadConfig
+from segue.executor.kernel_plan import KernelPlan
 from segue.kv.manager import cdiv
 from segue.model.attention import AttentionMetadata, PrefillChunk
+from segue.model.checkpoint import LoadedCheckpoint
 from segue.model.kv_cache import KVCache
 from segue.model.llama import LlamaModel
+from segue.model.quant import EVERY_BATCH, Quantization
 
 
 def full_logits(model: LlamaModel, ids: list[int], block_size: int = 16, last_only: bool = False) -> torch.Tensor:
@@ -92,3 +102,166 @@ def _decode_over_cache(model: LlamaModel, prompt: list[int], n: int, forced: lis
         hidden = model.forward(torch.tensor([tok], device=dev), torch.tensor([pos], device=dev), meta, cache)
         rows.append(model.compute_logits(hidden).float().cpu())
     return torch.cat(rows)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every combination the kernel plan and the attention plan can pick, measured on real prose the way
+# the engine computes it.
+
+PROSE = pathlib.Path(__file__).parent / "data" / "prose" / "alice_chapter1.txt"
+
+
+def prose() -> str:
+    """Chapter I of Alice's Adventures in Wonderland (tests/data/prose/README.md) with its hard line
+    wraps joined, one paragraph a line: the text as a model reads it, not as it was typeset."""
+    raw = PROSE.read_text(encoding="utf-8")
+    return "\n\n".join(" ".join(p.split()) for p in re.split(r"\n\s*\n", raw) if p.strip())
+
+
+def windows(ids: list[int], count: int, length: int) -> list[list[int]]:
+    """`count` windows of `length` tokens spread evenly over `ids` (beginning and end included)."""
+    assert count * length <= len(ids), (count, length, len(ids))
+    step = (len(ids) - length) // max(count - 1, 1)
+    return [ids[i * step:i * step + length] for i in range(count)]
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """One outcome of plan_kernels (segue/executor/kernel_plan.py) as the numbers see it: the
+    compute dtype, the layers' and the LM head's weight formats, and whether the quantized kernels
+    take every batch (batch_invariant) or only small ones (decode steps) while larger batches run a
+    GEMM over the dequantized weights. `plan` is the KernelPlan that plan_kernels returned for it."""
+    dtype: torch.dtype
+    layers: Quantization
+    head: Quantization
+    every_batch: bool
+    plan: KernelPlan = field(compare=False, hash=False, repr=False)
+
+    @property
+    def id(self) -> str:
+        name = f"{str(self.dtype).removeprefix('torch.')}-{self.layers.value}-head_{self.head.value}"
+        return name + ("-batch_invariant" if self.every_batch else "")
+
+
+# The row counts of the kernel tables plan_choices makes up: a quantized format that wins, wins up
+# to 16 rows, so decode steps of a few sequences run the quantized kernels and prefill chunks the
+# GEMM over the dequantized weights, as on every CPU measured so far.
+QUANTIZED_ROWS = 16
+
+
+def plan_choices(layer_formats: set[str], head_formats: set[str]) -> list[PlanChoice]:
+    """Every PlanChoice plan_kernels can make for a checkpoint whose layers `layer_formats` and LM
+    head `head_formats` hold exactly (lossless_formats' answer), whatever this machine's kernel
+    table says: the plan is run over tables where each dtype is the faster and each quantized
+    format wins at small batches or never, under `--quantization auto`, int8 and int4, with and
+    without batch_invariant. Generated from the code, so a combination the plan learns to pick
+    joins the quality tests by itself."""
+    from segue.executor import kernel_plan
+    from segue.model import kernel_table as kt
+
+    rows = (1, QUANTIZED_ROWS, 512)
+
+    def times(win: int) -> dict[int, float]:
+        return {r: 0.1 if r <= win else 100.0 for r in rows}
+    found: dict[PlanChoice, None] = {}
+    for fast, slow in itertools.permutations(kt.DTYPES):
+        dense = {fast: {r: 1.0 for r in rows}, slow: {r: 2.0 for r in rows}}
+        for *layer_wins, head_wins in itertools.product((0, QUANTIZED_ROWS), repeat=len(kt.ALL_QUANTS) + 1):
+            table = kt.KernelTable({"cpu": "made up"}, {
+                "layers": {**dense, **{q: times(w) for q, w in zip(kt.ALL_QUANTS, layer_wins, strict=True)}},
+                "lm_head": {**dense, "int8": times(head_wins)}})
+            for quantization, invariant in itertools.product(("auto", "int8", "int4"), (False, True)):
+                load = ModelLoadConfig(quantization=quantization, batch_invariant=invariant)
+                with mock.patch.object(kt, "kernel_table", lambda *a, t=table, **k: t), \
+                        mock.patch.object(kernel_plan, "lossless_formats",
+                                          lambda *a: (set(layer_formats), set(head_formats))):
+                    plan = kernel_plan.plan_kernels(load, None, torch.device("cpu"), object(), {})  # type: ignore[arg-type]
+                # LlamaModel's default head format when the plan names none: int8 under int4 layers.
+                head = plan.head_quantization if plan.head_quantization is not None else \
+                    Quantization.INT8 if plan.quantization is Quantization.INT4 else plan.quantization
+                choice = PlanChoice(plan.dtype, plan.quantization if plan.quantized_rows else Quantization.NONE,
+                                    head if plan.head_quantized_rows else Quantization.NONE,
+                                    plan.quantized_rows >= EVERY_BATCH, plan)
+                found.setdefault(choice)
+    order = [Quantization.NONE, Quantization.INT4, Quantization.INT8]
+    return sorted(found, key=lambda c: (c.every_batch, c.dtype != torch.float32, order.index(c.layers),
+                                        order.index(c.head)))
+
+
+def engine_logits(ckpt: LoadedCheckpoint, plan: KernelPlan, kernels: ModuleType | None, attention: str,
+                  texts: list[list[int]], chunk: int, decodes: int, kv_cache_dtype: str = "auto",
+                  block_size: int = 16) -> list[torch.Tensor]:
+    """fp32 logits [len(text), V] for every text, row i predicting text[i + 1], computed the way
+    the engine computes them: by a ModelExecutor built from `plan` with the attention backend
+    `attention` ("auto", "native", "sdpa", "sdpa-mask"), every text in every step, the first
+    len - `decodes` tokens of each as chunks of `chunk` (a prefill from position 0, then chunks
+    extending the cached context), then one teacher-forced decode step per token. The steps go
+    through the executor's own execute(), so each row runs the backend and the kernels the
+    executor picks for it; its forward's hidden states are kept and every row's logits taken
+    (a step's rows in one call, as a step sampling that many rows would)."""
+    from segue.executor.model_executor import ModelExecutor
+    from segue.request import Request
+    from segue.sampling_params import SamplingParams
+    from segue.sched.output import ScheduledSeq, SchedulerOutput
+
+    n = len(texts[0])
+    assert all(len(t) == n for t in texts) and 0 < decodes < n
+    per_text = cdiv(n, block_size) * block_size
+    cache = CacheConfig(block_size=block_size, kv_cache_tokens=len(texts) * per_text, swap_space_tokens=0,
+                        kv_cache_dtype=kv_cache_dtype)
+    ex = ModelExecutor(ckpt, cache, torch.device("cpu"), plan, kernels, attention)
+    model = ex.model
+    steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+    forward = model.forward
+
+    def keep(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+        hidden = forward(input_ids, positions, meta, cache)
+        steps.append((meta.slot_mapping.clone(), hidden))
+        return hidden
+    model.forward = keep  # type: ignore[method-assign]
+    requests = [Request(f"text-{i}", t, SamplingParams(temperature=0.0), 0.0) for i, t in enumerate(texts)]
+    tables = [list(range(i * per_text // block_size, (i + 1) * per_text // block_size)) for i in range(len(texts))]
+    logits = torch.empty(len(texts), n, ckpt.config.vocab_size)
+    pos = 0
+    while pos < n:
+        take = min(chunk, n - decodes - pos) if pos < n - decodes else 1
+        # Nothing samples: the tokens to come are the text's, and the logits are taken below.
+        ex.execute(SchedulerOutput([ScheduledSeq(r, t[pos:pos + take], pos, table, False)
+                                    for r, t, table in zip(requests, texts, tables, strict=True)]))
+        slots, hidden = steps.pop()
+        with torch.inference_mode():
+            out = model.compute_logits(hidden).float()
+        # Rows come in the executor's order (by backend): each one's slot names its text and position.
+        logits[slots // per_text, slots % per_text] = out
+        pos += take
+    return list(logits)
+
+
+@dataclass
+class Agreement:
+    """A variant's teacher-forced numbers against the reference's over the same texts."""
+    agreement: float          # share of positions where both pick the same greedy next token
+    decode_agreement: float   # the same over the positions that decode steps computed
+    ppl: float
+    ppl_ref: float
+
+    @property
+    def ppl_ratio(self) -> float:
+        return self.ppl / self.ppl_ref
+
+    def __str__(self) -> str:
+        return (f"agreement {self.agreement:.2%} (decodes {self.decode_agreement:.2%}), perplexity {self.ppl:.3f} "
+                f"against {self.ppl_ref:.3f} ({self.ppl_ratio - 1:+.2%})")
+
+
+def compare(ref: list[torch.Tensor], other: list[torch.Tensor], texts: list[list[int]], decodes: int) -> Agreement:
+    """`decodes`: how many of each text's last tokens engine_logits computed by decode steps (the
+    logits predicting the text's last decodes - 1 tokens)."""
+    same = [a[:-1].argmax(-1) == b[:-1].argmax(-1) for a, b in zip(ref, other, strict=True)]
+
+    def ppl(logits: list[torch.Tensor]) -> float:
+        nll = [-torch.log_softmax(lg[:-1], -1).gather(1, torch.tensor(t[1:]).unsqueeze(1))
+               for lg, t in zip(logits, texts, strict=True)]
+        return math.exp(float(torch.cat(nll).mean()))
+    return Agreement(float(torch.cat(same).float().mean()),
+                     float(torch.cat([s[-(decodes - 1):] for s in same]).float().mean()), ppl(other), ppl(ref))
