@@ -40,6 +40,9 @@ class ModelExecutor(Executor):
         self.quantization = plan.quantization
         self.plan = plan
         self.kv_dtype = dtype if cache.kv_cache_dtype == "auto" else DTYPES[cache.kv_cache_dtype]
+        if self.kv_dtype != dtype and not (dtype == torch.float32 and self.kv_dtype == torch.bfloat16):
+            raise ConfigError(f"kv_cache_dtype {cache.kv_cache_dtype} under a {str(dtype).removeprefix('torch.')} "
+                              "model: the cache takes the model's dtype, or bfloat16 under float32")
         fused = None
         # Batch-invariant runs keep the native forms: one kernel per op whatever the batch.
         if kernels is not None and device.type == "cpu" and not plan.batch_invariant:
@@ -55,9 +58,6 @@ class ModelExecutor(Executor):
         logger.info("weights: %.0f MiB in memory (%s, %s layers)", self.model.weight_bytes() / 2**20,
                     str(dtype).removeprefix("torch."), plan.quantization.value)
         self.block_size = cache.block_size
-        if self.kv_dtype != dtype and not (dtype == torch.float32 and self.kv_dtype == torch.bfloat16):
-            raise ConfigError(f"kv_cache_dtype {cache.kv_cache_dtype} under a {str(dtype).removeprefix('torch.')} "
-                              "model: the cache takes the model's dtype, or bfloat16 under float32")
         block_bytes = KVCache.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                               cache.block_size, self.kv_dtype)
         if cache.kv_cache_bytes is not None:
