@@ -278,9 +278,5 @@ def measure(layout: HeadLayout, kernels: ModuleType | None, device: torch.device
             for b, ms in result.ms.items():
                 by_backend[b][name] = ms
         timings[kind.value] = by_backend
-    noisy = bool(busy or unstable)
-    if noisy:
-        logger.warning("attention table measured on a noisy machine (%s): used, and measured again at the first "
-                       "start that finds the machine quiet", busy or "rounds disagreed at " + ", ".join(unstable))
-    logger.info("attention table measured in %.1f s", time.perf_counter() - t0)
+    noisy = timing.report("attention table", busy, unstable, time.perf_counter() - t0)
     return AttentionTable(key, timings, noisy)

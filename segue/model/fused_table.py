@@ -126,9 +126,5 @@ def measure(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, kern
                 unstable.append(f"{op} {rows}")
             for form, ms in result.ms.items():
                 timings[op][form][str(rows)] = ms
-    noisy = bool(busy or unstable)
-    if noisy:
-        logger.warning("elementwise-op table measured on a noisy machine (%s): used, and measured again at the first "
-                       "start that finds the machine quiet", busy or "rounds disagreed at " + ", ".join(unstable))
-    logger.info("elementwise-op table measured in %.1f s", time.perf_counter() - t0)
+    noisy = timing.report("elementwise-op table", busy, unstable, time.perf_counter() - t0)
     return FusedTable(key, timings, noisy)

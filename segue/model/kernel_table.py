@@ -247,11 +247,7 @@ def measure(config: ModelConfig, kernels: ModuleType | None, key: dict[str, str]
     t0 = time.perf_counter()
     timings = {"layers": layer_candidates(shapes, ROWS, copies),
                "lm_head": layer_candidates([(config.vocab_size, h)], HEAD_ROWS, head_copies)}
-    noisy = bool(busy or unstable)
-    if noisy:
-        logger.warning("kernel table measured on a noisy machine (%s): used, and measured again at the first "
-                       "start that finds the machine quiet", busy or "rounds disagreed at " + ", ".join(unstable))
-    logger.info("kernel table measured in %.1f s", time.perf_counter() - t0)
+    noisy = timing.report("kernel table", busy, unstable, time.perf_counter() - t0)
     return KernelTable(key, timings, noisy)
 
 

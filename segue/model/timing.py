@@ -92,6 +92,17 @@ def pick(ms: dict[str, float], default: str) -> str:
     return default
 
 
+def report(what: str, busy: str | None, unstable: list[str], seconds: float) -> bool:
+    """Logs a finished measurement; returns whether it was noisy (timed while `busy`, or with
+    rounds that never agreed at the points in `unstable`)."""
+    noisy = bool(busy or unstable)
+    if noisy:
+        logger.warning("%s measured on a noisy machine (%s): used, and measured again at the first start that "
+                       "finds the machine quiet", what, busy or "rounds disagreed at " + ", ".join(unstable))
+    logger.info("%s measured in %.1f s", what, seconds)
+    return noisy
+
+
 def reuse_cached(noisy: bool) -> bool:
     """Whether a cached table can be used: one timed on a quiet machine always; one timed on a busy
     machine only while this one is busy too (measuring again now would be as noisy, and would
