@@ -1,7 +1,6 @@
 """Runs scheduled batches through the torch model over the paged KV cache."""
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Collection
@@ -76,7 +75,6 @@ class ModelExecutor(Executor):
         self.kernels = kernels
         self.invariant_attention = self._invariant_attention(attention) if plan.batch_invariant else None
         if self.invariant_attention is not None:
-            self.attention = AttentionPlan({kind: AttentionBackend.NATIVE for kind in AttentionKind})
             logger.info("attention: batch-invariant, every row through the native %s kernel", self.invariant_attention)
         else:
             self.attention = attention if isinstance(attention, AttentionPlan) else \
@@ -105,9 +103,6 @@ class ModelExecutor(Executor):
         if group > 16:
             raise ConfigError(f"batch_invariant: no native attention kernel takes {group} query heads per KV head "
                               f"at head size {cfg.head_dim}")
-        self._logical_decode = ModuleType(f"{self.kernels.__name__}_logical_order")
-        self._logical_decode.paged_decode_attention = functools.partial(  # type: ignore[attr-defined]
-            self.kernels.paged_decode_attention, logical_order=True)
         return "decode"
 
     def _order(self, seqs: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, AttentionBackend]]:
@@ -156,7 +151,8 @@ class ModelExecutor(Executor):
             meta.num_decodes = len(ids)
             meta.decode_blocks = torch.cat(tables).view(-1)
             meta.decode_context_lens = torch.tensor(positions) + 1
-            meta.decode_kernel = self._logical_decode
+            meta.decode_kernel = self.kernels
+            meta.decode_logical_order = True
         return torch.tensor(ids), torch.tensor(positions), meta
 
     def _build_metadata(self, order: list[tuple[ScheduledSeq, AttentionBackend]]

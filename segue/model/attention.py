@@ -44,6 +44,9 @@ class AttentionMetadata:
     # The native CPU kernel module when the decodes run the native kernel, else None (SDPA over
     # gathered blocks and decode_mask).
     decode_kernel: ModuleType | None = None
+    # The native decode kernel sums P.V in block-table order instead of block-id order, so its
+    # output does not depend on where the pool put the blocks (batch-invariant runs).
+    decode_logical_order: bool = False
     # The native paged prefill kernel and its varlen arguments when some chunks run it; their
     # rows follow the decodes contiguously, then come the rows of `prefills`.
     prefill_kernel: ModuleType | None = None
@@ -60,7 +63,7 @@ def _decode_attention(q: torch.Tensor, cache: KVCache, layer: int, meta: Attenti
     assert blocks is not None  # set whenever the step has decodes
     if meta.decode_kernel is not None:
         out = meta.decode_kernel.paged_decode_attention(
-            q, kc, vc, blocks.view(nd, -1), meta.decode_context_lens, scale)
+            q, kc, vc, blocks.view(nd, -1), meta.decode_context_lens, scale, meta.decode_logical_order)
         return out.view(nd, nh * hd)
     assert meta.decode_mask is not None  # built for the SDPA decode path
     return sdpa_decode(q, kc, vc, blocks, meta.decode_mask, scale)
