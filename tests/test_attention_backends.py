@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from segue.model import attention_table as at
+from segue.model import table_cache
 from segue.model.attention_backends import (
     AttentionBackend,
     AttentionKind,
@@ -173,7 +174,7 @@ def test_measured_once_per_process_and_remeasured_when_noisy(tmp_path, monkeypat
     monkeypatch.setattr(at, "PREFILL_TOKENS", (16,))
     monkeypatch.setattr(at, "EXTEND_TOKENS", (8,))
     monkeypatch.setattr(at, "EXTEND_CACHED", (32,))
-    at.clear_memo()
+    table_cache.clear_memo()
     measured = []
     real = at.measure
 
@@ -188,13 +189,13 @@ def test_measured_once_per_process_and_remeasured_when_noisy(tmp_path, monkeypat
     first = at.attention_table(small, KERNELS, CPU)
     assert first.noisy and set(first.timings_ms) == {"decode", "prefill", "extend"}
     assert at.attention_table(small, KERNELS, CPU) is first and len(measured) == 1   # this process's
-    at.clear_memo()
+    table_cache.clear_memo()
     monkeypatch.setattr(at.timing, "machine_busy", lambda: "load average 9 on 2 CPUs")
     assert at.attention_table(small, KERNELS, CPU).noisy and len(measured) == 1   # still busy: reused
-    at.clear_memo()
+    table_cache.clear_memo()
     monkeypatch.setattr(at.timing, "machine_busy", lambda: None)
     monkeypatch.setattr(at, "measure", counting)
     quiet = at.attention_table(small, KERNELS, CPU)      # quiet now: the noisy one is measured again
     assert len(measured) == 2 and not quiet.noisy
-    at.clear_memo()
+    table_cache.clear_memo()
     assert at.attention_table(small, KERNELS, CPU).timings_ms == quiet.timings_ms and len(measured) == 2

@@ -11,6 +11,7 @@ import torch
 from segue.config import ModelLoadConfig
 from segue.executor import kernel_plan
 from segue.model import kernel_table as kt
+from segue.model import table_cache
 from segue.model.config import ModelConfig
 from segue.model.quant import Quantization
 
@@ -113,13 +114,13 @@ def test_measured_once_then_cached_under_this_machines_key(tmp_path, monkeypatch
         return table
 
     monkeypatch.setattr(kt, "measure", functools.partial(counting, noisy=True))
-    kt._memo.clear()
+    table_cache.clear_memo()
     busy = kt.kernel_table(TINY, None)
     assert kt.kernel_table(TINY, None) is busy and len(measured) == 1   # this process keeps its own
-    kt._memo.clear()
+    table_cache.clear_memo()
     monkeypatch.setattr(kt.timing, "machine_busy", lambda: "load average 9 on 2 CPUs")
     assert kt.kernel_table(TINY, None).noisy and len(measured) == 1   # still busy: the noisy one serves
-    kt._memo.clear()
+    table_cache.clear_memo()
     monkeypatch.setattr(kt.timing, "machine_busy", lambda: None)
     monkeypatch.setattr(kt, "measure", counting)
     first = kt.kernel_table(TINY, None)   # quiet now: a table timed on a busy machine is measured again
@@ -130,14 +131,14 @@ def test_measured_once_then_cached_under_this_machines_key(tmp_path, monkeypatch
     layers = first.timings_ms["layers"]
     assert set(layers[first.dense_dtype()]) == set(kt.ROWS)
     assert all(set(layers[d]) >= {r for r in kt.ROWS if r <= kt.QUANT_MAX_ROWS} for d in kt.DTYPES)
-    kt._memo.clear()
+    table_cache.clear_memo()
     assert kt.kernel_table(TINY, None) == first and len(measured) == 0   # from the cache
     # A file whose key is another machine's is never used, even under this machine's name.
     (path,) = (tmp_path / "kernel_tables").glob("*.json")
     raw = json.loads(path.read_text())
     raw["key"]["flags"] = "another-cpu"
     path.write_text(json.dumps(raw))
-    kt._memo.clear()
+    table_cache.clear_memo()
     assert kt.kernel_table(TINY, None).key == first.key and len(measured) == 1
 
 

@@ -69,7 +69,7 @@ def profile_key(config: EngineConfig, executor: Executor) -> dict[str, str]:
 def profile_path(key: dict[str, str]) -> Path:
     """Where the profile of this key is saved and looked for, beside the kernel tables (under
     SEGUE_CACHE_DIR when set)."""
-    from segue.model.kernel_table import cache_dir
+    from segue.model.table_cache import cache_dir
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_dir().parent / "profiles" / f"profile-{key['device']}-{digest}.json"

@@ -10,9 +10,7 @@ layout; a table timed while the machine was too noisy to decide is measured agai
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -21,7 +19,7 @@ from types import ModuleType
 
 import torch
 
-from segue.model import timing
+from segue.model import table_cache, timing
 from segue.model.attention_backends import (
     AttentionBackend,
     AttentionKind,
@@ -33,7 +31,8 @@ from segue.model.attention_backends import (
     sdpa_prefill,
 )
 from segue.model.config import ModelConfig
-from segue.model.kernel_table import cpu_identity, load_cached, save_cached
+from segue.model.kernel_table import cpu_identity
+from segue.model.table_cache import MeasuredTable
 
 logger = logging.getLogger(__name__)
 
@@ -99,11 +98,9 @@ def point(kind: AttentionKind, new_tokens: int, context: int) -> str:
 
 
 @dataclass
-class AttentionTable:
-    key: dict[str, str]
+class AttentionTable(MeasuredTable):
     # kind -> backend -> point -> ms per layer call
     timings_ms: dict[str, dict[str, dict[str, float]]]
-    noisy: bool = False
 
     def winners(self) -> dict[str, dict[str, str]]:
         out: dict[str, dict[str, str]] = {}
@@ -122,14 +119,6 @@ class AttentionTable:
                 cells = "".join(f"{by_backend[b][p]:11.3f}" for b in by_backend)
                 lines.append(f"  {p:<8}" + cells + "   " + win[p])
         return "\n".join(lines)
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> AttentionTable:
-        raw = json.loads(text)
-        return cls(raw["key"], raw["timings_ms"], bool(raw.get("noisy", False)))
 
 
 @dataclass
@@ -175,39 +164,11 @@ def table_key(layout: HeadLayout, kernels: ModuleType | None) -> dict[str, str]:
             "dtype": str(layout.dtype).removeprefix("torch."), "kv_dtype": str(layout.kv_dtype).removeprefix("torch.")}
 
 
-# Tables this process measured or loaded, noisy ones included: an engine started again in the
-# same process (a benchmark's configurations, tests) does not measure again.
-_memo: dict[str, AttentionTable] = {}
-
-
-def clear_memo() -> None:
-    _memo.clear()
-
-
 def attention_table(layout: HeadLayout, kernels: ModuleType | None, device: torch.device,
                     remeasure: bool = False) -> AttentionTable:
     key = table_key(layout, kernels)
-    memo_key = json.dumps(key, sort_keys=True)
-    if not remeasure and memo_key in _memo:
-        return _memo[memo_key]
-    table = _load_or_measure(layout, kernels, device, key, remeasure)
-    _memo[memo_key] = table
-    return table
-
-
-def _load_or_measure(layout: HeadLayout, kernels: ModuleType | None, device: torch.device, key: dict[str, str],
-                     remeasure: bool) -> AttentionTable:
-    if not remeasure:
-        text = load_cached("attention", key)
-        if text is not None:
-            table = AttentionTable.from_json(text)
-            if table.key == key and timing.reuse_cached(table.noisy):
-                return table
-            if table.noisy:
-                logger.info("the cached attention table was measured on a noisy machine: measuring again")
-    table = measure(layout, kernels, device, key)
-    save_cached("attention", key, table.to_json())
-    return table
+    return table_cache.cached_table("attention", key, AttentionTable,
+                                    lambda stale: measure(layout, kernels, device, key), remeasure=remeasure)
 
 
 def measure(layout: HeadLayout, kernels: ModuleType | None, device: torch.device,

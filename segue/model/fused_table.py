@@ -6,9 +6,7 @@ attention table is (segue/model/attention_table.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -16,9 +14,10 @@ from types import ModuleType
 
 import torch
 
-from segue.model import fused_ops, timing
+from segue.model import fused_ops, table_cache, timing
 from segue.model.config import ModelConfig
-from segue.model.kernel_table import cpu_identity, load_cached, save_cached
+from segue.model.kernel_table import cpu_identity
+from segue.model.table_cache import MeasuredTable
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +27,8 @@ BLOCK = 16
 
 
 @dataclass
-class FusedTable:
-    key: dict[str, str]
+class FusedTable(MeasuredTable):
     timings_ms: dict[str, dict[str, dict[str, float]]]   # op -> form -> rows -> ms
-    noisy: bool = False
 
     def chosen(self) -> dict[str, dict[int, str]]:
         """The form per op and timed row count; native on a tie (one call, no temporaries)."""
@@ -47,14 +44,6 @@ class FusedTable:
             lines.append(f"  {op:<15}{cells}")
         return "\n".join(lines)
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> FusedTable:
-        raw = json.loads(text)
-        return cls(raw["key"], raw["timings_ms"], bool(raw.get("noisy", False)))
-
 
 def table_key(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, kernels: ModuleType) -> dict[str, str]:
     return {**cpu_identity(), "method": TABLE_METHOD, "threads": str(torch.get_num_threads()),
@@ -64,27 +53,13 @@ def table_key(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, ke
             "dtype": str(dtype).removeprefix("torch."), "kv_dtype": str(kv_dtype).removeprefix("torch.")}
 
 
-_memo: dict[str, FusedTable] = {}
-
-
 def fused_table(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, kernels: ModuleType,
                 remeasure: bool = False) -> FusedTable:
     """This machine's table for the model's widths: this process's, else the cached one (unless
     timed on a busy machine and this one is quiet now), else measured."""
     key = table_key(config, dtype, kv_dtype, kernels)
-    memo_key = json.dumps(key, sort_keys=True)
-    if not remeasure and memo_key in _memo:
-        return _memo[memo_key]
-    table = None
-    text = None if remeasure else load_cached("fused", key)
-    if text is not None:
-        cached = FusedTable.from_json(text)
-        table = cached if cached.key == key and timing.reuse_cached(cached.noisy) else None
-    if table is None:
-        table = measure(config, dtype, kv_dtype, kernels, key)
-        save_cached("fused", key, table.to_json())
-    _memo[memo_key] = table
-    return table
+    return table_cache.cached_table("fused", key, FusedTable,
+                                    lambda stale: measure(config, dtype, kv_dtype, kernels, key), remeasure=remeasure)
 
 
 def measure(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, kernels: ModuleType,

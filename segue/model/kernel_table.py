@@ -5,16 +5,14 @@ kernel beat the fp32 GEMM up to 96 rows of the LM head, while on a CPU with AVX5
 bf16 GEMM beats it well below that, and bf16 there is faster than fp32 by ~3x (emulated, it is
 ~4x slower on AVX2). No fixed threshold is right everywhere, so at the first start on a machine
 every candidate is timed on the model's own shapes at a ladder of batch sizes, and the fastest
-is used per (op, row range). The table is cached on disk under a key of the CPU's model and
-flags, the thread count, torch's version, the native kernels' build and the model's shapes: a
-table from another machine is never used.
+is used per (op, row range). The table is cached (segue/model/table_cache.py) under a key of the
+CPU's model and what -march=native targets, the thread count, torch's version, the native
+kernels' build and the model's shapes: a table from another machine is never used.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
-import json
 import logging
 import math
 import os
@@ -22,12 +20,12 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from segue.model import timing
+from segue.model import table_cache, timing
 from segue.model.config import ModelConfig
+from segue.model.table_cache import MeasuredTable
 
 logger = logging.getLogger(__name__)
 
@@ -98,12 +96,9 @@ def cpu_identity() -> dict[str, str]:
 
 
 @dataclass
-class KernelTable:
-    key: dict[str, str]
+class KernelTable(MeasuredTable):
     # op ("layers": one decoder layer's four projections; "lm_head") -> candidate -> {rows: ms}
     timings_ms: dict[str, dict[str, dict[int, float]]]
-    # Timed while the machine was busy or its rounds never agreed: measured again once it is quiet.
-    noisy: bool = False
 
     def best(self, op: str, rows: int, candidates: tuple[str, ...]) -> str:
         """The fastest candidate at the smallest timed row count >= rows (the largest if none)."""
@@ -143,15 +138,10 @@ class KernelTable:
             limit = rows
         return limit
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> KernelTable:
-        raw = json.loads(text)
-        timings = {op: {c: {int(r): float(ms) for r, ms in rows.items()} for c, rows in cands.items()}
-                   for op, cands in raw["timings_ms"].items()}
-        return cls(raw["key"], timings, bool(raw.get("noisy", False)))
+    @staticmethod
+    def timings_from_json(timings: Any) -> dict[str, dict[str, dict[int, float]]]:
+        return {op: {c: {int(r): float(ms) for r, ms in rows.items()} for c, rows in cands.items()}
+                for op, cands in timings.items()}
 
     def format(self) -> str:
         lines = []
@@ -251,11 +241,6 @@ def measure(config: ModelConfig, kernels: ModuleType | None, key: dict[str, str]
     return KernelTable(key, timings, noisy)
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("SEGUE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "segue")
-    return Path(root) / "kernel_tables"
-
-
 def table_key(config: ModelConfig, kernels: ModuleType | None) -> dict[str, str]:
     import torch
 
@@ -264,48 +249,6 @@ def table_key(config: ModelConfig, kernels: ModuleType | None) -> dict[str, str]
     return {**cpu_identity(), "method": TABLE_METHOD, "threads": str(torch.get_num_threads()),
             "torch": torch.__version__, "kernels": getattr(kernels, "__name__", "none"),
             "shapes": ",".join(map(str, shapes))}
-
-
-def cached_path(kind: str, key: dict[str, str]) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_dir() / (digest + ".json" if kind == "gemm" else f"{kind}-{digest}.json")
-
-
-def table_path(key: dict[str, str]) -> Path:
-    return cached_path("gemm", key)
-
-
-def load_cached(kind: str, key: dict[str, str]) -> str | None:
-    """The cached table's text for `key`, or None (none yet, or unreadable: measured again)."""
-    path = cached_path(kind, key)
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        logger.warning("ignoring an unreadable kernel table %s (%s)", path, e)
-        return None
-
-
-def save_cached(kind: str, key: dict[str, str], text: str) -> None:
-    """Into the cache where load_cached() looks for this machine's table."""
-    path = cached_path(kind, key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)  # atomic: a concurrent start reads a whole table or none
-    except OSError as e:  # a read-only home: measure again next time
-        logger.warning("could not save the kernel table to %s (%s)", path, e)
-
-
-def save(table: KernelTable) -> None:
-    save_cached("gemm", table.key, table.to_json())
-
-
-# Tables this process measured or loaded, noisy ones included: an engine started again in the
-# same process does not measure again.
-_memo: dict[str, KernelTable] = {}
 
 
 def _has(table: KernelTable, quants: tuple[str, ...], kernels: ModuleType | None) -> bool:
@@ -319,29 +262,12 @@ def kernel_table(config: ModelConfig, kernels: ModuleType | None, remeasure: boo
     its candidates: from the cache when its key matches exactly, it was measured on a quiet
     machine and it has those formats, else measured now (seconds) and saved."""
     key = table_key(config, kernels)
-    memo_key = json.dumps(key, sort_keys=True)
-    if not remeasure and memo_key in _memo and _has(_memo[memo_key], quants, kernels):
-        return _memo[memo_key]
-    table = _load_or_measure(config, kernels, key, remeasure, quants)
-    _memo[memo_key] = table
-    return table
 
+    def measure_now(stale: KernelTable | None) -> KernelTable:
+        wanted = quants
+        if stale is not None and not stale.noisy:  # another run's formats: time those too, not instead
+            wanted = tuple(sorted(set(quants) | {q for q in ALL_QUANTS if q in stale.timings_ms["layers"]}))
+        return measure(config, kernels, key, wanted)
 
-def _load_or_measure(config: ModelConfig, kernels: ModuleType | None, key: dict[str, str],
-                     remeasure: bool, quants: tuple[str, ...]) -> KernelTable:
-    text = None if remeasure else load_cached("gemm", key)
-    if text is not None:
-        try:
-            table = KernelTable.from_json(text)
-        except (ValueError, KeyError) as e:
-            logger.warning("ignoring an unreadable kernel table %s (%s)", table_path(key), e)
-        else:
-            if table.key == key and timing.reuse_cached(table.noisy) and _has(table, quants, kernels):
-                return table
-            if table.noisy:
-                logger.info("the cached kernel table was measured on a noisy machine: measuring again")
-            elif table.key == key:  # another run's formats: time those too, not instead
-                quants = tuple(sorted(set(quants) | {q for q in ALL_QUANTS if q in table.timings_ms["layers"]}))
-    table = measure(config, kernels, key, quants)
-    save(table)
-    return table
+    return table_cache.cached_table("gemm", key, KernelTable, measure_now,
+                                    usable=lambda table: _has(table, quants, kernels), remeasure=remeasure)
