@@ -84,17 +84,13 @@ def candidates(kind: AttentionKind, layout: HeadLayout, kernels: ModuleType | No
     return tuple(out)
 
 
-def _bucket(ladder: tuple[int, ...], value: int) -> int:
-    return next((r for r in ladder if r >= value), ladder[-1])
-
-
 def point(kind: AttentionKind, new_tokens: int, context: int) -> str:
     """The ladder point a call of `new_tokens` rows over `context` cached tokens is timed at."""
     if kind is AttentionKind.DECODE:
-        return str(_bucket(DECODE_CONTEXTS, context))
+        return str(timing.bucket(DECODE_CONTEXTS, context))
     if kind is AttentionKind.PREFILL:
-        return str(_bucket(PREFILL_TOKENS, new_tokens))
-    return f"{_bucket(EXTEND_TOKENS, new_tokens)}/{_bucket(EXTEND_CACHED, context)}"
+        return str(timing.bucket(PREFILL_TOKENS, new_tokens))
+    return f"{timing.bucket(EXTEND_TOKENS, new_tokens)}/{timing.bucket(EXTEND_CACHED, context)}"
 
 
 @dataclass

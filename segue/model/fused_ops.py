@@ -13,6 +13,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from segue.model import timing
+
 OPS = ("add_rms_norm", "rope_and_cache", "silu_mul")
 
 
@@ -56,13 +58,11 @@ class FusedOps:
     def __init__(self, kernels: ModuleType, chosen: dict[str, dict[int, str]] | None = None) -> None:
         self.kernels = kernels
         self.chosen = {op: dict(sorted(rows.items())) for op, rows in (chosen or {}).items()}
+        self._ladders = {op: tuple(rows) for op, rows in self.chosen.items()}
 
     def _native(self, op: str, rows: int) -> bool:
-        for timed, form in self.chosen.get(op, {}).items():
-            if timed >= rows:
-                return form == "native"
-        ladder = self.chosen.get(op)
-        return not ladder or ladder[max(ladder)] == "native"
+        forms = self.chosen.get(op)
+        return not forms or forms[timing.bucket(self._ladders[op], rows)] == "native"
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:

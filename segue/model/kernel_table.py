@@ -104,7 +104,7 @@ class KernelTable(MeasuredTable):
         """The fastest candidate at the smallest timed row count >= rows (the largest if none)."""
         times = self.timings_ms[op]
         ladder = sorted(next(iter(times.values())))
-        bucket = next((r for r in ladder if r >= rows), ladder[-1])
+        bucket = timing.bucket(ladder, rows)
         timed = [c for c in candidates if bucket in times.get(c, {})]
         return min(timed, key=lambda c: times[c][bucket])
 

@@ -18,6 +18,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from segue.model import timing
+
 GROUP_SIZE = 32  # GGUF's Q8_0 / Q4_1 block: the default model's weights are exact at this size
 # A `dense_above` larger than any batch: the quantized kernel takes every row.
 EVERY_BATCH = 1 << 30
@@ -92,6 +94,7 @@ class LinearWeights:
         holds it, when that target is larger."""
         self.bias = bias
         self.padded_rows = dict(sorted((padded_rows or {}).items()))
+        self._pad_ladder = tuple(self.padded_rows)
         self.out_features, self.in_features = weight.shape
         if not group_supported(self.in_features):
             if kernels is not None and dense_above >= EVERY_BATCH:
@@ -131,10 +134,12 @@ class LinearWeights:
                 self._packed = [self.packed, self.scale_lo]
 
     def _pad_target(self, rows: int) -> int:
-        for timed, target in self.padded_rows.items():
-            if timed >= rows:
-                return target if target > timed else rows
-        return rows
+        if not self.padded_rows:
+            return rows
+        timed = timing.bucket(self._pad_ladder, rows)
+        target = self.padded_rows[timed]
+        # Past the ladder the largest count is its own target: the batch runs as it is.
+        return target if target > timed else rows
 
     @property
     def nbytes(self) -> int:

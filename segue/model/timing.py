@@ -84,6 +84,11 @@ def time_candidates(candidates: Mapping[str, Sequence[Callable[[], object]]], re
     return Timing({name: _median(ts) for name, ts in samples.items()}, stable)
 
 
+def bucket(ladder: Sequence[int], value: int) -> int:
+    """The ladder point (ascending) a value is timed at: the smallest one that holds it, else the largest."""
+    return next((point for point in ladder if point >= value), ladder[-1])
+
+
 def pick(ms: dict[str, float], default: str) -> str:
     """The fastest candidate if it beats `default` by the margin, else `default`."""
     best = min(ms, key=lambda c: ms[c])
