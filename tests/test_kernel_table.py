@@ -44,6 +44,9 @@ def test_decisions_follow_the_timings():
     assert BF16_CPU.best("layers", 5, ("bfloat16", "int8")) == "int8"     # 5 rows: timed at 8
     assert BF16_CPU.best("layers", 9, ("bfloat16", "int8")) == "bfloat16"  # 9 rows: timed at 16
     assert BF16_CPU.best("layers", 5000, ("bfloat16", "int8")) == "bfloat16"  # past the ladder: its end
+    # Past 512 rows only the leading dtype is timed: 2,048 rows are judged at 2,048, not at 512.
+    bf16_only = table(int8={1: 1.0}, fp32={1: 3.0, 512: 90.0}, bf16={1: 2.0, 512: 100.0, 2048: 200.0})
+    assert bf16_only.best("layers", 2048, ("float32", "bfloat16")) == "bfloat16"
     never = table(int8={1: 5.0}, fp32={1: 1.0, 2048: 9.0}, bf16={1: 1.0, 2048: 9.0})
     assert never.quantized_up_to("layers", "int8", "float32") == 0
 

@@ -103,7 +103,8 @@ class KernelTable(MeasuredTable):
     def best(self, op: str, rows: int, candidates: tuple[str, ...]) -> str:
         """The fastest candidate at the smallest timed row count >= rows (the largest if none)."""
         times = self.timings_ms[op]
-        ladder = sorted(next(iter(times.values())))
+        # Every candidate's counts: past the quantized range only the leading dtype is timed.
+        ladder = sorted({r for rows_ms in times.values() for r in rows_ms})
         bucket = timing.bucket(ladder, rows)
         timed = [c for c in candidates if bucket in times.get(c, {})]
         return min(timed, key=lambda c: times[c][bucket])
