@@ -2,18 +2,19 @@
 gap, and admission that does not evict them for newcomers (issue 25). KV invariants every step."""
 from __future__ import annotations
 
+import functools
+
+import sched_helpers
+from sched_helpers import BS, SLOW, run_until_done, step
 from segue.config import SchedulerConfig
 from segue.kv.manager import KVCacheManager
-from segue.request import Request, RequestStatus
-from segue.sampling_params import SamplingParams
+from segue.request import RequestStatus
 from segue.sched.cost_model import CostModel
 from segue.sched.policies import make_policy
 from segue.sched.scheduler import Scheduler
 
-BS = 4
-# Recompute this slow (100 ms a token) makes a retained history worth a newcomer's wait of
-# seconds: the starvation bound is the recompute time of what the newcomer would take.
-SLOW = CostModel(fwd_ms_per_token=100.0, fwd_base_ms=10.0)
+# A turn decodes 4 tokens unless told otherwise.
+turn = functools.partial(sched_helpers.turn, max_tokens=4)
 
 
 def make_scheduler(num_blocks: int, budget: int = 64, retention: bool = True,
@@ -21,26 +22,6 @@ def make_scheduler(num_blocks: int, budget: int = 64, retention: bool = True,
     kv = KVCacheManager(BS, num_blocks)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, agent_retention=retention)
     return Scheduler(cfg, kv, make_policy("fcfs"), max_model_len=num_blocks * BS, cost=cost)
-
-
-def step(sched: Scheduler, now: float) -> list[Request]:
-    out = sched.schedule(now)
-    sampled = {s.request.request_id: 7 for s in out.seqs if s.sample}
-    sched.update_from_output(out, sampled)
-    sched.check_invariants()
-    return [s.request for s in out.seqs]
-
-
-def run_until_done(sched: Scheduler, req: Request, now: float) -> float:
-    while not req.is_finished:
-        step(sched, now)
-        now += 0.1
-        assert now < 1000, "no progress"
-    return now
-
-
-def turn(rid: str, prompt: list[int], now: float, max_tokens: int = 4) -> Request:
-    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), now)
 
 
 def test_retained_context_survives_and_is_hit_by_the_next_turn():

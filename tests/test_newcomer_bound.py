@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import pytest
 
+from sched_helpers import BS, SLOW, finish, step, turn
 from segue.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from segue.engine_args import add_engine_args, engine_config_from_args
 from segue.kv.manager import KVCacheManager
 from segue.request import Request, RequestStatus
-from segue.sampling_params import SamplingParams
 from segue.sched.cost_model import CostModel
 from segue.sched.newcomers import is_later_turn, is_newcomer, is_overdue, newcomers_first
 from segue.sched.policies import make_policy
@@ -21,35 +21,14 @@ from segue.sim.agent_replay import run_agents
 from segue.sim.engine import make_sim_engine
 from segue.sim.workloads.agents import AGENT_PRESETS, draw_agents
 
-BS = 4
-# Recompute this slow (100 ms a token) puts thrashing.py's own bound (a newcomer waits as long as
+# SLOW recompute (100 ms a token) puts thrashing.py's own bound (a newcomer waits as long as
 # recomputing the history it would take) at seconds, so the newcomer bound is what ends the wait.
-SLOW = CostModel(fwd_ms_per_token=100.0, fwd_base_ms=10.0)
 
 
 def make_scheduler(num_blocks: int, wait: float | None) -> Scheduler:
     kv = KVCacheManager(BS, num_blocks)
     cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_newcomer_wait_s=wait)
     return Scheduler(cfg, kv, make_policy("fcfs"), max_model_len=num_blocks * BS, cost=SLOW)
-
-
-def step(sched: Scheduler, now: float) -> list[Request]:
-    out = sched.schedule(now)
-    sched.update_from_output(out, {s.request.request_id: 7 for s in out.seqs if s.sample})
-    sched.check_invariants()
-    return [s.request for s in out.seqs]
-
-
-def turn(rid: str, prompt: list[int], now: float, max_tokens: int = 3) -> Request:
-    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), now)
-
-
-def finish(sched: Scheduler, req: Request, now: float) -> float:
-    sched.add_request(req)
-    while not req.is_finished:
-        step(sched, now)
-        now += 0.1
-    return now
 
 
 # ---- configuration -------------------------------------------------------------------------

@@ -3,18 +3,14 @@ release that leaves it waiting would throw away histories and paused contexts fo
 again at the next step (sched/thrashing.py). KV invariants every step."""
 from __future__ import annotations
 
+from sched_helpers import BS, SLOW, finish, step, turn
 from segue.config import SchedulerConfig
 from segue.kv.manager import KVCacheManager
-from segue.request import Request, RequestStatus
-from segue.sampling_params import SamplingParams
-from segue.sched.cost_model import CostModel
+from segue.request import RequestStatus
 from segue.sched.interception import make_interception_policy
 from segue.sched.policies import make_policy
 from segue.sched.scheduler import Scheduler
 from segue.sched.thrashing import _shortfall, running_needs
-
-BS = 4
-SLOW = CostModel(fwd_ms_per_token=100.0, fwd_base_ms=10.0)
 
 
 def make_scheduler(num_blocks: int) -> Scheduler:
@@ -22,25 +18,6 @@ def make_scheduler(num_blocks: int) -> Scheduler:
     cfg = SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=8, agent_retention=True)
     return Scheduler(cfg, kv, make_policy("fcfs"), max_model_len=num_blocks * BS, cost=SLOW,
                      interception=make_interception_policy("preserve"))
-
-
-def step(sched: Scheduler, now: float) -> list[Request]:
-    out = sched.schedule(now)
-    sched.update_from_output(out, {s.request.request_id: 7 for s in out.seqs if s.sample})
-    sched.check_invariants()
-    return [s.request for s in out.seqs]
-
-
-def turn(rid: str, prompt: list[int], now: float, max_tokens: int = 3) -> Request:
-    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), now)
-
-
-def finish(sched: Scheduler, req: Request, now: float) -> float:
-    sched.add_request(req)
-    while not req.is_finished:
-        step(sched, now)
-        now += 0.1
-    return now
 
 
 def test_a_resident_turn_that_would_still_not_fit_releases_no_other_history():
