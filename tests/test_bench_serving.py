@@ -5,9 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import socket
-import threading
-import time
 from typing import AsyncIterator, Iterator
 
 import pytest
@@ -18,6 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from segue.bench.serving import RowShape, run_row
+from test_server_support import ServerThread
 
 
 def _stub_app() -> Starlette:
@@ -45,19 +43,9 @@ def _stub_app() -> Starlette:
 
 @pytest.fixture
 def stub_url() -> Iterator[str]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(_stub_app(), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "stub server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    server.should_exit = True
-    thread.join(15)
-    sock.close()
+    app = _stub_app()
+    with ServerThread(app, uvicorn.Config(app, log_level="warning")) as server:
+        yield server.url + "/v1"
 
 
 def test_failed_requests_count_as_errors_and_not_as_input(stub_url: str) -> None:

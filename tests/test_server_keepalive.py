@@ -6,13 +6,10 @@ retries loses the turn to a connection error. The server must outlast the client
 """
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -20,6 +17,7 @@ from starlette.routing import Route
 
 from segue.cli import build_parser
 from segue.server.launch import uvicorn_config
+from test_server_support import ServerThread
 
 # Past uvicorn's and httpx's 5 s default, by enough not to race with it.
 IDLE_S = 5.5
@@ -28,17 +26,6 @@ IDLE_S = 5.5
 async def _client_port(request: Request) -> JSONResponse:
     assert request.client is not None
     return JSONResponse({"port": request.client.port})
-
-
-def _serve(config: uvicorn.Config, sock: socket.socket) -> tuple[uvicorn.Server, threading.Thread]:
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    return server, thread
 
 
 def test_serve_keeps_idle_connections_longer_than_clients_do() -> None:
@@ -53,20 +40,13 @@ def test_idle_connection_is_reused_after_the_clients_default_expiry() -> None:
     # The serve path's uvicorn settings (the app is a stub: keep-alive is uvicorn's business).
     app = Starlette(routes=[Route("/port", _client_port)])
     config = uvicorn_config(app, build_parser().parse_args(["--log-level", "WARNING", "serve"]))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}/port"
-    server, thread = _serve(config, sock)
-    try:
+    with ServerThread(app, config) as server:
+        url = server.url + "/port"
         # A client that keeps idle connections longer than 5 s (as Go's, aiohttp's, OkHttp's do).
         with httpx.Client(limits=httpx.Limits(keepalive_expiry=60), timeout=10) as client:
             first = client.get(url).json()["port"]
             time.sleep(IDLE_S)
             second = client.get(url)
-        assert second.status_code == 200
-        # The same connection: the server had not closed it (httpx would have opened a new one).
-        assert second.json()["port"] == first
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
+    assert second.status_code == 200
+    # The same connection: the server had not closed it (httpx would have opened a new one).
+    assert second.json()["port"] == first

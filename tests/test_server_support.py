@@ -30,12 +30,13 @@ from segue.sched.output import SchedulerOutput
 class ServerThread:
     """uvicorn on 127.0.0.1 in a background thread, on a socket bound before start (no port race)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, config: uvicorn.Config | None = None) -> None:
+        """`config`: uvicorn's settings for `app` (default: quiet, with lifespan events)."""
         self.app = app
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(config or uvicorn.Config(app, log_level="warning", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> "ServerThread":
