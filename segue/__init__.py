@@ -17,13 +17,13 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # Heavy (torch) entry points load on first use so pure modules stay importable without torch.
     if name == "LLM":
-        from segue.llm import LLM
+        from segue.engine.llm import LLM
         return LLM
     if name == "AsyncLLMEngine":
-        from segue.async_engine import AsyncLLMEngine
+        from segue.engine.async_engine import AsyncLLMEngine
         return AsyncLLMEngine
     if name == "LLMEngine":
-        from segue.engine import LLMEngine
+        from segue.engine.llm_engine import LLMEngine
         return LLMEngine
     raise AttributeError(name)
 

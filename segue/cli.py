@@ -7,7 +7,7 @@ import sys
 
 from segue.cluster import DEFAULT_ENGINE_RESTARTS
 from segue.config import ConfigError
-from segue.engine_args import add_engine_args, engine_config_from_args
+from segue.engine.args import add_engine_args, engine_config_from_args
 from segue.server.launch import DEFAULT_KEEP_ALIVE_S
 
 
@@ -22,7 +22,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from segue.llm import LLM
+    from segue.engine.llm import LLM
     from segue.sampling_params import SamplingParams
 
     llm = LLM(config=engine_config_from_args(args))
@@ -45,9 +45,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from segue import profiler
-    from segue.engine import LLMEngine
+    from segue.engine.llm_engine import LLMEngine
     from segue.executor.loading import profile_key, profile_path
+    from segue.profiler import steps as profiler
 
     config = engine_config_from_args(args)
     config.scheduler.max_num_batched_tokens = max(config.scheduler.max_num_batched_tokens, 1024)
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "threads: profiles/profile-<device>-<key>.json under $SEGUE_CACHE_DIR or ~/.cache/segue)")
     prof.add_argument("--repeats", type=int, default=None, help="repeats per prefill size (default: the grid's)")
     prof.add_argument("--grid", default="auto", choices=["auto", "cpu", "cuda", "tiny"],
-                      help="which steps to time (auto: by device; see segue/profiler.py)")
+                      help="which steps to time (auto: by device; see segue/profiler/steps.py)")
     prof.add_argument("--timer", default="wall", choices=["wall", "cpu"],
                       help="fit wall-clock step time (default) or process CPU time (one-thread CPU engine on a "
                       "shared machine: the steps' own cost without others' load)")

@@ -137,7 +137,7 @@ class ModelLoadConfig:
     # "native", "sdpa" or "sdpa-mask" force one wherever it is correct.
     attention_backend: str = "auto"
     # Sampling settings for the fields a request leaves out: "auto" the model's recommended ones
-    # (segue/generation_defaults.py), "none" the OpenAI API's (temperature 1, top_p 1), or a
+    # (segue/engine/generation_defaults.py), "none" the OpenAI API's (temperature 1, top_p 1), or a
     # directory holding a generation_config.json — vLLM's --generation-config.
     generation_config: str = "auto"
 

@@ -91,11 +91,11 @@ def tiny_checkpoint(tmp_path: pathlib.Path):
     return make
 
 
-# The scripted server engine the server test modules share (test_server_support), one per module
+# The scripted server engine the server test modules share (server_helpers), one per module
 # (module scope); each module scripts its own replies in its `scripted` fixture.
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
-    from test_server_support import engine_fixture  # imported here: it imports this module
+    from server_helpers import engine_fixture  # imported here: it imports this module
 
     yield from engine_fixture(tmp_path_factory)
 

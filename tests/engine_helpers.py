@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
-from segue.engine import LLMEngine
+from segue.engine.llm_engine import LLMEngine
 from segue.model.attention_table import plan_attention
 from segue.outputs import RequestOutput
 

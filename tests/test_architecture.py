@@ -14,21 +14,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lowest first. A module may import its own layer and the ones before it, never a later one.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("segue.sampling_params", "segue.outputs", "segue.request", "segue.request_state",
-                    "segue.trace", "segue.config", "segue.engine_args", "segue.detokenizer", "segue.tools",
-                    "segue.structured.spec", "segue.generation_defaults", "segue.model_info",
-                    "segue.input_processor")),
+    ("foundation", ("segue.sampling_params", "segue.outputs", "segue.request", "segue.config", "segue.tools",
+                    "segue.structured.spec")),
     ("structured", ("segue.structured",)),
     ("kv", ("segue.kv",)),
     ("sched", ("segue.sched",)),
     ("model", ("segue.model",)),
     ("executor", ("segue.executor",)),
     ("predict", ("segue.predict",)),
-    ("client", ("segue.engine_stats", "segue.engine_client")),
-    ("engine", ("segue.engine", "segue.engine_hooks", "segue.engine_outputs", "segue.engine_reports",
-                "segue.engine_request_factory", "segue.engine_requests", "segue.engine_scheduler",
-                "segue.profiler", "segue.profiler_scatter", "segue.profiler_overlap")),
-    ("async", ("segue.async_engine", "segue.async_engine_streams", "segue.async_engine_thread", "segue.llm")),
+    # The seam's own types: what the server may know of an engine.
+    ("client", ("segue.engine.protocol", "segue.engine.stats", "segue.engine.model_info")),
+    ("engine", ("segue.engine", "segue.profiler")),
+    ("async", ("segue.engine.async_engine", "segue.engine.engine_thread", "segue.engine.streams",
+               "segue.engine.llm")),
     ("cluster", ("segue.cluster",)),
     ("program", ("segue.program",)),
     ("server", ("segue.server",)),
@@ -173,7 +171,7 @@ def test_layer_order_is_the_documented_one():
 # from. Everything else (engine, scheduler, KV, executors, predictors, async engine, cluster) is
 # reached through an EngineClient only. launch.py is the composition root: it builds the engine
 # (segue.cluster.build_engine, from an EngineConfig) and hands the app an EngineClient.
-SERVER_MAY_IMPORT = ("segue.engine_client", "segue.engine_stats", "segue.model_info", "segue.outputs",
+SERVER_MAY_IMPORT = ("segue.engine.protocol", "segue.engine.stats", "segue.engine.model_info", "segue.outputs",
                      "segue.sampling_params", "segue.tools", "segue.structured")
 COMPOSITION_ROOTS = ("segue.server.launch",)
 
@@ -201,7 +199,7 @@ def server_imports_past_the_seam(graph: dict[str, set[str]]) -> list[str]:
 
 def test_server_talks_to_the_engine_only_through_engine_client():
     bad = server_imports_past_the_seam(import_graph())
-    assert not bad, ("segue/server reaches past the EngineClient seam (add a method to segue/engine_client.py, "
+    assert not bad, ("segue/server reaches past the EngineClient seam (add a method to segue/engine/protocol.py, "
                      "or the module to SERVER_MAY_IMPORT if it is plain data):\n" + "\n".join(bad))
 
 
@@ -221,11 +219,11 @@ def test_engine_is_free_of_simulation():
 
 def test_seam_checks_catch_violations():
     """The two checks above, on made-up graphs: each flags exactly the import it exists for."""
-    graph = {"segue.server.chat_start": {"segue.engine_client", "segue.sched.scheduler", "segue.outputs"},
+    graph = {"segue.server.chat_start": {"segue.engine.protocol", "segue.sched.scheduler", "segue.outputs"},
              "segue.server.launch": {"segue.cluster"},
-             "segue.engine": {"segue.sim.script", "segue.sched.scheduler"}}
+             "segue.engine.llm_engine": {"segue.sim.script", "segue.sched.scheduler"}}
     assert server_imports_past_the_seam(graph) == ["segue.server.chat_start imports segue.sched.scheduler"]
-    assert engine_imports_of_simulation(graph) == ["segue.engine imports segue.sim.script"]
+    assert engine_imports_of_simulation(graph) == ["segue.engine.llm_engine imports segue.sim.script"]
 
 
 @pytest.mark.parametrize("graph,expected", [
@@ -334,3 +332,10 @@ def test_no_long_functions_in_the_scheduler_and_the_engine_loop():
 def test_long_functions_are_caught():
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
     assert long_functions(f"def f():\n{body}\n") and not long_functions("def f():\n    return 1\n")
+
+
+def test_top_of_the_package_holds_only_shared_vocabulary():
+    # Everything else lives in the package of its layer (engine/, sched/, kv/, ...), so the tree
+    # shows the layers.
+    top = sorted(p.stem for p in (ROOT / "segue").glob("*.py"))
+    assert top == ["__init__", "cli", "config", "outputs", "request", "sampling_params"]

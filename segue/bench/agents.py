@@ -115,7 +115,7 @@ def configs_from_args(args: argparse.Namespace) -> list[AgentRunConfig]:
 
 
 def make_sim(args: argparse.Namespace, cfg: AgentRunConfig) -> Any:
-    from segue.engine_args import engine_config_from_args
+    from segue.engine.args import engine_config_from_args
     from segue.sched.cost_model import PRESETS, CostModel
     from segue.sim.engine import default_kv_cache_tokens, make_sim_engine
 

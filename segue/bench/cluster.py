@@ -177,7 +177,7 @@ def render_markdown(rows: list[dict[str, Any]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from segue.cluster import build_engine, make_router
-    from segue.engine_args import engine_config_from_args
+    from segue.engine.args import engine_config_from_args
 
     config = engine_config_from_args(args)
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]

@@ -83,8 +83,8 @@ def step_diagnosis(log: Any, cost: Any) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     from segue.bench.intercept import _warm_up
     from segue.bench.step_log import StepLog
-    from segue.engine import LLMEngine
-    from segue.engine_args import engine_config_from_args
+    from segue.engine.args import engine_config_from_args
+    from segue.engine.llm_engine import LLMEngine
     from segue.executor.loading import load_model
     from segue.executor.sim_executor import SimClock, SimExecutor
     from segue.sched.cost_model import CostModel, mean_cost_model
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     def measure() -> tuple[Any, str]:
         if args.profile_path:
             return CostModel.load(args.profile_path), args.profile_path
-        from segue.profiler import profile
+        from segue.profiler.steps import profile
 
         pconf = copy.deepcopy(base)
         pconf.scheduler.max_num_batched_tokens = max(pconf.scheduler.max_num_batched_tokens, 1024)

@@ -39,8 +39,8 @@ def _warm_up(engine: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from segue.engine import LLMEngine
-    from segue.engine_args import engine_config_from_args
+    from segue.engine.args import engine_config_from_args
+    from segue.engine.llm_engine import LLMEngine
     from segue.executor.loading import load_model
     from segue.sim.replay import real_clock_wait, render_markdown, replay
     from segue.sim.run import draw, load_workload

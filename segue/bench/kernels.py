@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from segue.engine_args import engine_config_from_args
+    from segue.engine.args import engine_config_from_args
     from segue.executor.kernel_plan import DTYPES, plan_kernels, resolve_device
     from segue.model import attention_table as at
     from segue.model import kernel_table as kt

@@ -88,7 +88,7 @@ class LiveServer:
     def __init__(self, make_engine: Callable[[], Any], share_prefix: bool = True) -> None:
         import uvicorn
 
-        from segue.async_engine import AsyncLLMEngine
+        from segue.engine.async_engine import AsyncLLMEngine
         from segue.program.executor import ProgramExecutor
         from segue.server.app import create_app
 
@@ -118,8 +118,8 @@ class LiveServer:
 
 
 def run(args: argparse.Namespace) -> int:
-    from segue.engine import LLMEngine
-    from segue.engine_args import engine_config_from_args
+    from segue.engine.args import engine_config_from_args
+    from segue.engine.llm_engine import LLMEngine
     from segue.executor.loading import load_model
 
     skip = set(filter(None, args.skip.split(",")))

@@ -186,8 +186,8 @@ def run_validity(engine: Any, renderer: Any, args: argparse.Namespace) -> dict[s
 def run(args: argparse.Namespace) -> int:
     import platform
 
-    from segue.engine import LLMEngine
-    from segue.engine_args import engine_config_from_args
+    from segue.engine.args import engine_config_from_args
+    from segue.engine.llm_engine import LLMEngine
     from segue.server.templating import ChatRenderer
 
     engine = LLMEngine(engine_config_from_args(args))

@@ -136,8 +136,8 @@ class Runner:
 
     def make_engine(self, cfg: RunConfig) -> Any:
         from segue.bench.intercept import _warm_up
-        from segue.engine import LLMEngine
-        from segue.engine_args import engine_config_from_args
+        from segue.engine.args import engine_config_from_args
+        from segue.engine.llm_engine import LLMEngine
         from segue.executor.loading import load_model
 
         base = engine_config_from_args(self.args)

@@ -225,8 +225,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from segue.engine import LLMEngine
-    from segue.engine_args import engine_config_from_args
+    from segue.engine.args import engine_config_from_args
+    from segue.engine.llm_engine import LLMEngine
     from segue.executor.model_executor import ModelExecutor
 
     n, p_len, o_len = args.num_requests, args.prompt_len, args.output_len

@@ -5,7 +5,7 @@ N = 1 (nothing to place), else a local Ray instance with N engine actors behind 
 `build_local_pool` puts N engines in this process instead (tests and benchmarks without Ray; the
 engines' step threads then share one Python process).
 
-What the server asks of "the engine" is segue/engine_client.py's EngineClient, and the pool is
+What the server asks of "the engine" is segue/engine/protocol.py's EngineClient, and the pool is
 one (see pool.py): the model side (tokenization, chat template, prompt checks) in the server's
 process; generate/continue/resume/detach/abort and the paused-request methods by request id, on
 the replica that holds it; get_stats() from every live replica, merged by EngineStats.merge.
@@ -36,9 +36,9 @@ from segue.cluster.router import LoadReport, PlacementReason, RouteDecision, Rou
 from segue.cluster.routers import make_router
 
 if TYPE_CHECKING:
-    from segue.async_engine import AsyncLLMEngine
     from segue.cluster.pool import EnginePool
     from segue.config import EngineConfig
+    from segue.engine.async_engine import AsyncLLMEngine
 
 __all__ = ["LoadReport", "PlacementReason", "RouteDecision", "RouteRequest", "Router", "make_router",
            "build_engine", "build_local_pool", "build_ray_pool", "DEFAULT_ENGINE_RESTARTS"]
@@ -54,9 +54,9 @@ def _router(config: "EngineConfig", num_engines: int, router: str) -> Router:
 
 
 def build_local_pool(config: "EngineConfig", num_engines: int, router: str = "affinity") -> "EnginePool":
-    from segue.async_engine import AsyncLLMEngine
     from segue.cluster.local_replica import LocalReplica
     from segue.cluster.pool import EnginePool
+    from segue.engine.async_engine import AsyncLLMEngine
 
     replicas = [LocalReplica(i, AsyncLLMEngine.from_config(config)) for i in range(num_engines)]
     return EnginePool(replicas, _router(config, num_engines, router))
@@ -92,6 +92,6 @@ def build_engine(config: "EngineConfig", num_engines: int = 1, router: str = "af
     if num_engines < 1:
         raise ValueError(f"--engines must be >= 1, got {num_engines}")
     if num_engines == 1:
-        from segue.async_engine import AsyncLLMEngine
+        from segue.engine.async_engine import AsyncLLMEngine
         return AsyncLLMEngine.from_config(config)
     return build_ray_pool(config, num_engines, router, num_cpus, max_restarts)

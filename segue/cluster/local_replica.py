@@ -4,14 +4,14 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
 
-from segue.async_engine import AsyncLLMEngine
 from segue.cluster.replica import EngineReplica, ReplicaOutput
-from segue.engine_stats import EngineStats
-from segue.model_info import ModelInfo
+from segue.engine.async_engine import AsyncLLMEngine
+from segue.engine.model_info import ModelInfo
+from segue.engine.stats import EngineStats
 from segue.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from segue.engine import LLMEngine
+    from segue.engine.llm_engine import LLMEngine
 
 
 class LocalReplica(EngineReplica):

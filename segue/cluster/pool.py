@@ -1,4 +1,4 @@
-"""EnginePool: an EngineClient (segue/engine_client.py) over several engine replicas.
+"""EnginePool: an EngineClient (segue/engine/protocol.py) over several engine replicas.
 
 The server keeps talking to "the engine"; the pool places each new request with its Router and
 sends everything that follows (continue, resume, detach, abort, the paused-request methods) to the
@@ -25,13 +25,13 @@ import logging
 import uuid
 from typing import Any, AsyncGenerator, Callable, Sequence
 
-from segue.async_engine import remember_early
 from segue.cluster.replica import EngineReplica, ReplicaOutput
 from segue.cluster.router import Router, RouteRequest
-from segue.engine_client import EngineDeadError
-from segue.engine_stats import EngineStats
-from segue.input_processor import InputProcessor
-from segue.model_info import ModelInfo
+from segue.engine.async_engine import remember_early
+from segue.engine.input_processor import InputProcessor
+from segue.engine.model_info import ModelInfo
+from segue.engine.protocol import EngineDeadError
+from segue.engine.stats import EngineStats
 from segue.outputs import RequestOutput
 from segue.sampling_params import InvalidRequestError, SamplingParams
 

@@ -14,15 +14,15 @@ import os
 import uuid
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
 
-from segue.async_engine import AsyncLLMEngine
 from segue.config import EngineConfig
-from segue.engine_stats import EngineStats, LoadReport
-from segue.model_info import ModelInfo
+from segue.engine.async_engine import AsyncLLMEngine
+from segue.engine.model_info import ModelInfo
+from segue.engine.stats import EngineStats, LoadReport
 from segue.outputs import RequestOutput
 from segue.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from segue.engine import LLMEngine
+    from segue.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

@@ -29,13 +29,13 @@ from segue.cluster.ray_actor import EngineActor
 from segue.cluster.ray_health import ActorHealth
 from segue.cluster.replica import EngineReplica, ReplicaOutput
 from segue.config import EngineConfig
-from segue.engine_client import EngineDeadError
-from segue.engine_stats import EngineStats
-from segue.model_info import ModelInfo
+from segue.engine.model_info import ModelInfo
+from segue.engine.protocol import EngineDeadError
+from segue.engine.stats import EngineStats
 from segue.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from segue.engine import LLMEngine
+    from segue.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
 
-from segue.engine_stats import EngineStats, LoadReport
+from segue.engine.stats import EngineStats, LoadReport
 from segue.outputs import RequestOutput
 from segue.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from segue.engine import LLMEngine
-    from segue.model_info import ModelInfo
+    from segue.engine.llm_engine import LLMEngine
+    from segue.engine.model_info import ModelInfo
 
 ReplicaOutput = tuple[RequestOutput, LoadReport]
 

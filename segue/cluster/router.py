@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from segue.engine_stats import LoadReport  # what replicas report; an engine's own type (engine_stats.py)
+from segue.engine.stats import LoadReport  # what replicas report; an engine's own type (engine/stats.py)
 
 
 class PlacementReason(str, enum.Enum):

@@ -124,7 +124,7 @@ def _batch_invariant_plan(load: ModelLoadConfig, device: torch.device, kernels: 
     order whatever the other rows (segue/model/csrc/quant_ops.cpp), as are the fused ops' rows;
     the executor runs every row through one attention kernel in position order (ModelExecutor.
     _invariant_attention). So nothing in a request's forward depends on the batch, its chunking,
-    its block ids or a prefix-cache hit, to the bit (tests/test_batch_invariant.py)."""
+    its block ids or a prefix-cache hit, to the bit (tests/engine/test_batch_invariant.py)."""
     if device.type != "cpu" or kernels is None:
         raise ConfigError("batch_invariant needs the native CPU kernels (a CPU device with a working compiler)")
     if load.quantization == "none":

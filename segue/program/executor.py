@@ -1,7 +1,7 @@
 """Runs programs' calls on an engine as soon as their inputs exist (Parrot §5.1): no client round
 trip between dependent calls.
 
-The engine is an EngineClient (segue/engine_client.py): one AsyncLLMEngine or a pool of them. Each call:
+The engine is an EngineClient (segue/engine/protocol.py): one AsyncLLMEngine or a pool of them. Each call:
 waits for its inputs, takes the objective deduced from the program's DAG at that moment (its
 priority is fixed once it reaches the engine), renders its template segment by segment, waits if a
 call with the same prompt prefix is still prefilling (then the prefix cache serves the shared part
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from segue.engine_client import EngineClient, EngineDeadError
+from segue.engine.protocol import EngineClient, EngineDeadError
 from segue.outputs import RequestOutput
 from segue.program.graph import CallObjective, CycleError
 from segue.program.registry import ProgramLimits, ProgramRegistry, scoped_program_id

@@ -79,7 +79,7 @@ class CostModel:
     # Whether swaps run beside the forward pass (a GPU's copy engine) or stall the step (a CPU
     # copies before it: segue/model/kv_cache.py, KVCache.start_swaps).
     swaps_overlap_compute: bool = True
-    # What a copy beside the forward pass costs (segue/profiler_overlap.py): the forward runs this
+    # What a copy beside the forward pass costs (segue/profiler/overlap.py): the forward runs this
     # many times slower while it copies, and the copy moves this many bytes per second (0: at
     # swap_bytes_per_s). A copy engine costs nothing; a CPU thread copying beside a 2-core
     # forward (AMD EPYC) slowed it 1.6-1.8x and copied at 0.3-1.0 GB/s, against 11.5 GB/s before it.

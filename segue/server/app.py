@@ -13,7 +13,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI
 
-from segue.engine_client import EngineClient
+from segue.engine.protocol import EngineClient
 from segue.server.auth import APIKeyMiddleware
 from segue.server.config import ServerConfig
 from segue.server.context import ServingContext

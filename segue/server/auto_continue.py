@@ -30,7 +30,7 @@ import json
 import logging
 from typing import Any
 
-from segue.engine_client import EngineClient
+from segue.engine.protocol import EngineClient
 from segue.server.sessions import Session, SessionStore
 
 logger = logging.getLogger(__name__)

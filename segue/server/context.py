@@ -8,7 +8,7 @@ from typing import Any, Callable, TypeVar
 
 from fastapi import Request
 
-from segue.engine_client import EngineClient
+from segue.engine.protocol import EngineClient
 from segue.server.auto_continue import AutoContinuation
 from segue.server.config import ServerConfig
 from segue.server.errors import APIError

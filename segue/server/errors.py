@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from segue.engine_client import EngineDeadError
+from segue.engine.protocol import EngineDeadError
 from segue.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)

@@ -13,10 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from segue.engine_stats import AccuracySnapshot, EngineStats, PausedKV
+from segue.engine.stats import AccuracySnapshot, EngineStats, PausedKV
 
 if TYPE_CHECKING:
-    from segue.engine_client import EngineClient
+    from segue.engine.protocol import EngineClient
     from segue.server.limits import ConcurrencyLimiter
     from segue.server.sessions import SessionStore
     from segue.tools.registry import ToolRegistry

@@ -120,7 +120,7 @@ class _SamplingRequest(_Request):
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None,
                          defaults: dict[str, Any] | None = None) -> SamplingParams:
-        """`defaults`: the model's recommended sampling settings (generation_defaults.py), used for
+        """`defaults`: the model's recommended sampling settings (engine/generation_defaults.py), used for
         the ones the client leaves out, as vLLM does with generation_config.json."""
         optional = {**(defaults or {})}
         given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}

@@ -29,8 +29,8 @@ from segue.sampling_params import SamplingParams
 from segue.sim.agent_report import ttft_fields
 from segue.sim.replay import token_range
 from segue.sim.script import scripted
+from segue.sim.trace import TURN, TraceSegment
 from segue.sim.workloads.agents import Agent, AgentSpec, system_prompt_ids, task_ids, tool_result_ids
-from segue.trace import TURN, TraceSegment
 
 MODES = ("plain", "sessions", "auto")
 

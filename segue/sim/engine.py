@@ -8,7 +8,7 @@ import os
 import tempfile
 
 from segue.config import EngineConfig
-from segue.engine import LLMEngine
+from segue.engine.llm_engine import LLMEngine
 from segue.executor.sim_executor import SimClock, SimExecutor, SimTokenizer, sim_model_config
 from segue.sched.cost_model import CostModel
 

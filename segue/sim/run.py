@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from segue.config import SchedulerConfig
-from segue.engine_args import add_newcomer_wait_arg
+from segue.engine.args import add_newcomer_wait_arg
 from segue.sched.interception import INTERCEPTION_POLICIES
 from segue.sim.engine import default_kv_cache_tokens
 

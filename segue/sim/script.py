@@ -2,7 +2,7 @@
 tool time and resume with the recorded tokens; with oracle predictions (PredictorConfig.oracle) the
 predictors are told each segment's true length and pause.
 
-ScriptedRequests is the engine's StepHooks (segue/engine_hooks.py): the engine calls it before each
+ScriptedRequests is the engine's StepHooks (segue/engine/hooks.py): the engine calls it before each
 step and after each token, and it acts through the engine's public methods (intercept, resume,
 finish_request). The engine itself knows nothing of scripts.
 """
@@ -12,11 +12,11 @@ import heapq
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from segue.engine import LLMEngine
+from segue.engine.llm_engine import LLMEngine
 from segue.outputs import RequestOutput
 from segue.request import Request, RequestStatus
 from segue.sampling_params import SamplingParams
-from segue.trace import TURN, TraceSegment
+from segue.sim.trace import TURN, TraceSegment
 
 
 @dataclass

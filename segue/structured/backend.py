@@ -7,7 +7,7 @@ Earley tables and lexer built at compile time are shared, the parse state is the
 Compilation runs on the caller's thread (the server validates in a worker thread), never on the
 engine loop: a spec compiles together with what constrains the output after a resume (Compiled.next),
 so a resume only copies a matcher it already holds, and a resume with new sampling params gets them
-compiled before it is queued to the engine (async_engine.py).
+compiled before it is queued to the engine (engine/async_engine.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The server under soak: a tiny random Llama behind the real app on 127.0.0.1, with operator tools
 that succeed, raise and hang, and a scripted model so that marked prompts make tool calls.
 
-It reuses the server tests' helpers (test_server_support): the live uvicorn thread, the tiny engine
+It reuses the server tests' helpers (server_helpers): the live uvicorn thread, the tiny engine
 and the ScriptedModel. Those keep per-request records forever, which is right for a test that reads
 them back and wrong for thousands of requests whose memory we measure, so SoakScript prunes them.
 """
@@ -14,15 +14,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-# test_server_support imports `conftest` as a top-level module, as pytest does: put tests/ on the
+# server_helpers imports `conftest` as a top-level module, as pytest does: put tests/ on the
 # path so `python -m tests.soak.run` finds both the way pytest does.
 _TESTS = pathlib.Path(__file__).resolve().parents[1]
 if str(_TESTS) not in sys.path:
     sys.path.insert(0, str(_TESTS))
 
-import test_server_support as support  # noqa: E402
-from segue.async_engine import AsyncLLMEngine  # noqa: E402
-from segue.engine import LLMEngine  # noqa: E402
+import server_helpers as support  # noqa: E402
+from segue.engine.async_engine import AsyncLLMEngine  # noqa: E402
+from segue.engine.llm_engine import LLMEngine  # noqa: E402
 from segue.executor.base import SampledToken  # noqa: E402
 from segue.sched.output import SchedulerOutput  # noqa: E402
 from segue.server.app import create_app  # noqa: E402

@@ -15,8 +15,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from segue.sim.trace import TraceSegment
 from segue.sim.workloads.trace_request import TraceRequest
-from segue.trace import TraceSegment
 
 PACKAGED_DIR = Path(__file__).resolve().parents[1] / "data" / "mooncake"
 TRACES = ("conversation", "synthetic")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from segue.trace import TraceSegment
+from segue.sim.trace import TraceSegment
 
 
 @dataclass

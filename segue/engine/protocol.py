@@ -1,0 +1,99 @@
+"""EngineClient: everything the HTTP server (and programs) may ask of "the engine".
+
+One typed seam. Two implementations: AsyncLLMEngine (one engine on its own thread) and
+cluster.EnginePool (several replicas behind a router). Nothing above this seam reads engine or
+scheduler internals: each question the server has (the tokens a paused request holds, a hint
+about when it resumes, a metrics snapshot) is a named method here, answered on the engine's side.
+tests/test_architecture.py checks that the server imports nothing else of the engine.
+
+Methods that touch requests are safe from the event loop; the ones marked "blocking" tokenize or
+render and belong in a worker thread (the server's ServingContext.in_thread).
+"""
+from __future__ import annotations
+
+from typing import Any, AsyncGenerator, Protocol, runtime_checkable
+
+from segue.engine.model_info import ModelInfo
+from segue.engine.stats import EngineStats
+from segue.outputs import RequestOutput
+from segue.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine (every replica of a pool) stopped or died; the server answers 503."""
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    # ---- the model (fixed for the engine's life) --------------------------------------------
+    def model_info(self) -> ModelInfo: ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, no special tokens added (blocking)."""
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of `token_ids`, special tokens kept (blocking)."""
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text of a chat (blocking); InvalidRequestError if the model has no template."""
+
+    # ---- requests ---------------------------------------------------------------------------
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
+                 priority: int = 0, program_id: str | None = None, tool_parser: Any = None,
+                 cache_salt: str | None = None, expected_tool_s: float | None = None,
+                 latency_sensitive: bool = True, task_group: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """The cumulative output after every new token; the last has finished=True, or paused=True
+        for a request paused at a tool call or turn end. Leaving the iterator early aborts the
+        request unless it was detach()ed. The prompt is validated first (InvalidRequestError).
+        cache_salt: requests share cached prefix blocks only with equal salts (tenant isolation).
+        task_group: calls that run best side by side (a pool places them together)."""
+
+    def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None = None,
+                         keep: int | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """Resume a paused, detached request with `tokens` appended (a session's next turn) and
+        stream it anew; `params` replace its sampling settings. `keep`: its context is first cut
+        after that many tokens (LLMEngine.resume)."""
+
+    async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None = None,
+                     keep: int | None = None) -> None:
+        """Resume a paused request whose stream is still open (a server-side tool returned)."""
+
+    def detach(self, request_id: str) -> None:
+        """Keep a paused request when its stream closes; it leaves by continue_request or abort."""
+
+    def abort(self, request_id: str) -> None: ...
+
+    # ---- paused requests --------------------------------------------------------------------
+    async def held_token_ids(self, request_id: str) -> list[int] | None:
+        """The token ids a paused request holds (what a continuation extends); None if it is not
+        paused (finished, aborted, or its engine restarted)."""
+
+    async def expect_resume(self, request_id: str, after_s: float) -> bool:
+        """A caller's estimate of a pause: resumed `after_s` seconds after it began (math.inf:
+        never). The interception policy and block eviction use it. False if it is not paused."""
+
+    async def abandon(self, request_id: str) -> bool:
+        """Nobody is expected to continue this paused request soon: its device memory goes back to
+        the pool, its blocks stay findable in the prefix cache. False if it is not paused."""
+
+    # ---- scheduling hints -------------------------------------------------------------------
+    def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None: ...
+
+    def set_tool_hint(self, name: str, seconds: float | None) -> None:
+        """A tool's expected duration, used until its calls have been observed (None: no hint)."""
+
+    def forget_program(self, program_id: str) -> None:
+        """A program (session) ended: nothing need stay together for it any more."""
+
+    # ---- observability and life cycle -------------------------------------------------------
+    async def get_stats(self) -> EngineStats:
+        """A snapshot between steps (a pool's is the sum over its live replicas)."""
+
+    @property
+    def is_running(self) -> bool: ...
+
+    @property
+    def num_unfinished_requests(self) -> int: ...
+
+    async def shutdown(self, drain_timeout: float = 0.0) -> None: ...

@@ -1,0 +1,48 @@
+"""The EngineClient seam: both implementations offer every method of the protocol, with its
+parameters, and a pool's stats are its replicas' merged field by field."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from segue.cluster.pool import EnginePool
+from segue.engine.async_engine import AsyncLLMEngine
+from segue.engine.protocol import EngineClient
+from segue.engine.stats import AccuracySnapshot, DurationSummary, EngineStats, PausedKV
+
+
+def _members(cls: type) -> list[str]:
+    return [name for name in vars(cls) if not name.startswith("_")]
+
+
+@pytest.mark.parametrize("impl", [AsyncLLMEngine, EnginePool])
+def test_implements_every_method_with_its_parameters(impl: type) -> None:
+    for name in _members(EngineClient):
+        wanted, got = inspect.getattr_static(EngineClient, name), inspect.getattr_static(impl, name, None)
+        assert got is not None, f"{impl.__name__} lacks EngineClient.{name}"
+        if isinstance(wanted, property):
+            assert isinstance(got, property), f"{impl.__name__}.{name} must be a property"
+            continue
+        w, g = inspect.signature(wanted), inspect.signature(got)
+        assert list(w.parameters) == list(g.parameters), f"{impl.__name__}.{name}{g} is not EngineClient.{name}{w}"
+        assert inspect.iscoroutinefunction(wanted) == inspect.iscoroutinefunction(got), f"{name}: async or not"
+
+
+def test_stats_merge_field_by_field() -> None:
+    tool = lambda count, mean: DurationSummary("search", count, mean, mean, mean, mean, mean)  # noqa: E731
+    a = EngineStats(running=1, device_blocks_used=3, device_blocks_total=10, steps=4,
+                    paused_kv={"swap": PausedKV(1, 0, 4)}, waste={"recompute_gbs": 1.5},
+                    tools={"search": tool(2, 1.0)},
+                    predictors={"output_len": AccuracySnapshot("output_len", 9, 3.0, ((5.0, 0.5),))})
+    b = EngineStats(running=2, waiting=5, device_blocks_used=1, device_blocks_total=10, steps=3,
+                    paused_kv={"swap": PausedKV(2, 1, 0), "preserve": PausedKV(1, 2, 0)},
+                    waste={"recompute_gbs": 0.5}, tools={"search": tool(7, 3.0)})
+    merged = EngineStats.merge([a, b])
+    assert (merged.running, merged.waiting, merged.steps) == (3, 5, 7)
+    assert (merged.device_blocks_used, merged.device_blocks_total) == (4, 20)
+    assert merged.paused_kv == {"swap": PausedKV(3, 1, 4), "preserve": PausedKV(1, 2, 0)}
+    assert merged.waste == {"recompute_gbs": 2.0}
+    assert merged.tools["search"].count == 7  # quantiles do not add: the fuller window speaks
+    assert merged.predictors["output_len"].count == 9
+    assert EngineStats.merge([]) == EngineStats()
