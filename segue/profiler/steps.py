@@ -86,8 +86,8 @@ class ProfileReport:
     seconds: float                                   # wall time of the measurements
     skipped: list[str] = field(default_factory=list)  # grid entries this engine cannot run, and why
     timer: str = "wall"                               # which step time the fit is of: wall or cpu
-    scatter: ScatterProfile | None = None             # decode over scattered blocks (profiler_scatter)
-    overlap: OverlapProfile | None = None             # a decode beside a copy (profiler_overlap)
+    scatter: ScatterProfile | None = None             # decode over scattered blocks (scatter.py)
+    overlap: OverlapProfile | None = None             # a decode beside a copy (overlap.py)
 
     def to_dict(self) -> dict[str, Any]:
         # Wall over CPU time of one-thread steps: ~1 on an idle machine, more when others load it
