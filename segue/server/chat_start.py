@@ -125,7 +125,7 @@ async def start_fresh(ctx: ServingContext, request: Request, body: ChatCompletio
     tool_format = HERMES if setup.enabled else None
     parser = ToolCallParser.for_format(tool_format) if tool_format is not None else None
     rid = random_id("chatcmpl")
-    hints = body.engine_hints(tenant, ctx.cache_salt(cache_salt(tenant)))
+    hints = body.engine_hints(tenant, ctx.prefix_cache_salt(cache_salt(tenant)))
     if session is not None and hints.program_id is None:
         # A session is one conversation: the program of program-level policies when none is named.
         hints = dataclasses.replace(hints, program_id=scoped_program_id(tenant, session.session_id))

@@ -55,7 +55,7 @@ class ServingContext:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def cache_salt(self, tenant_salt: str | None) -> str | None:
+    def prefix_cache_salt(self, tenant_salt: str | None) -> str | None:
         """The prefix-cache salt of a tenant's requests: its own under per-key isolation, else
         none (every tenant shares the cache)."""
         if tenant_salt is not None and self.config.prefix_cache_isolation == "per_key":

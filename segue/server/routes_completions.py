@@ -85,7 +85,7 @@ async def completions(request: Request) -> Response:
         prompt_ids = await ctx.tokenize(body.single_prompt())
         rid, created = random_id("cmpl"), int(time.time())
         tenant = tenant_of(request)
-        hints = body.engine_hints(tenant, ctx.cache_salt(cache_salt(tenant)))
+        hints = body.engine_hints(tenant, ctx.prefix_cache_salt(cache_salt(tenant)))
 
         async def start(index: int) -> Prepended | None:
             params = body.to_sampling_params(len(prompt_ids), ctx.max_model_len, ctx.generation_defaults)

@@ -74,7 +74,7 @@ async def create_program(request: Request) -> JSONResponse:
     await _body(request, ProgramCreate)
     ctx, tenant = serving(request), tenant_of(request)
     try:
-        hints = RequestHints(cache_salt=ctx.cache_salt(cache_salt(tenant)))
+        hints = RequestHints(cache_salt=ctx.prefix_cache_salt(cache_salt(tenant)))
         program = programs(request).create_program(tenant, hints)
     except ProgramError as e:
         raise _api_error(e) from None

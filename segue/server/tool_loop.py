@@ -64,7 +64,9 @@ class ChatTurn:
         self.request_id = request_id
         self.outputs = outputs
         self.setup = setup
-        # Stateless: the engine thread finds calls with it, the server splits text with it here.
+        # Of the format the engine was given (EngineRequest.tool_format). The engine finds and parses
+        # the calls (CompletionOutput.tool_calls, read in _on_pause); this one only splits the
+        # streamed text, which the engine returns whole, into content and call markup.
         self.parser = parser
         self.context = context
         self.deadline = deadline
@@ -137,6 +139,8 @@ class ChatTurn:
         if self.parser is None or out.finished or _ended_turn(out):
             # A call cut off by max_tokens stays visible: the client should see what was written.
             return chunk
+        # Only the content: the calls in this chunk reach the client from the engine's output at
+        # the pause (its tool_calls), not from here.
         return self.parser.find_calls(chunk, strip=False)[0]
 
     def _logprobs(self, c: CompletionOutput) -> list[TokenLogprob] | None:

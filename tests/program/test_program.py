@@ -289,9 +289,9 @@ def test_program_ids_are_scoped_to_the_api_key(http: httpx.Client, server: Serve
     seen: list[str | None] = []
     generate = engine.generate
 
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs.get("program_id"))
-        return generate(*args, **kwargs)
+    def recording(request: Any) -> Any:
+        seen.append(request.hints.program_id)
+        return generate(request)
 
     monkeypatch.setattr(engine, "generate", recording)
     pid = _program(http)
