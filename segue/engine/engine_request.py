@@ -22,7 +22,7 @@ from segue.tools.call_format import ToolCallFormat
 @dataclass(frozen=True)
 class RequestHints:
     """How a request would like to be scheduled and placed; none of them changes its tokens."""
-    # Higher runs first under priority-aware policies.
+    # vLLM's convention: lower values run first under the policies that read it.
     priority: int = 0
     # The program (agent, session) the request belongs to: policies and routers keep its calls together.
     program_id: str | None = None
