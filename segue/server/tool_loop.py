@@ -139,9 +139,9 @@ class ChatTurn:
         if self.parser is None or out.finished or _ended_turn(out):
             # A call cut off by max_tokens stays visible: the client should see what was written.
             return chunk
-        # Only the content: the calls in this chunk reach the client from the engine's output at
-        # the pause (its tool_calls), not from here.
-        return self.parser.find_calls(chunk, strip=False)[0]
+        # Only the content: the calls in this chunk reach the client (or the runner) as the engine
+        # parsed them, from its output at the pause (_on_pause), so nothing here parses them again.
+        return self.parser.content(chunk)
 
     def _logprobs(self, c: CompletionOutput) -> list[TokenLogprob] | None:
         if c.logprobs is None or len(c.logprobs) <= self.sent_logprobs:

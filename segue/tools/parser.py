@@ -104,6 +104,17 @@ class ToolCallParser:
         content = "".join(pieces)
         return (content.strip() if strip else content), calls
 
+    def content(self, text: str) -> str:
+        """The text outside calls, verbatim: find_calls(text, strip=False)'s content, without
+        parsing the calls (for a caller that gets them parsed elsewhere, from the engine)."""
+        pieces: list[str] = []
+        pos = 0
+        for span in self._spans(text):
+            pieces.append(text[pos:span.start])
+            pos = span.end
+        pieces.append(text[pos:])
+        return "".join(pieces)
+
     def has_complete_call(self, text: str, pos: int = 0) -> bool:
         """True once an end marker follows a start marker: the moment to intercept.
 
