@@ -96,14 +96,15 @@ class Workload:
 
 
 async def _call(engine: Any, kind: str, prompt: list[int], max_tokens: int, rid: str, result: SetupResult,
-                **hints: Any) -> list[int]:
+                program_id: str, task_group: str | None = None) -> list[int]:
+    from segue.engine.engine_request import EngineRequest, RequestHints
     from segue.sampling_params import SamplingParams
 
-    if not hasattr(engine, "router"):
-        hints.pop("task_group", None)  # one engine: nothing to place
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    # One engine ignores the task group (nothing to place); a pool's router reads it.
+    request = EngineRequest(prompt, params, rid, hints=RequestHints(program_id=program_id, task_group=task_group))
     start, first, replica, last = time.monotonic(), None, None, None
-    async for out in engine.generate(prompt, params, rid, **hints):
+    async for out in engine.generate(request):
         last = out
         if first is None:
             first = time.monotonic()
@@ -152,11 +153,13 @@ async def _run_setup(engine: Any, name: str, engines: int, args: argparse.Namesp
 
 async def _warm_up(engine: Any, vocab: int, copies: int) -> None:
     """One-off costs (kernel build, allocator growth) stay out of the runs: one short call per engine."""
+    from segue.engine.engine_request import EngineRequest
     from segue.sampling_params import SamplingParams
 
     lo = 1000 if vocab > 4000 else 0
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    await asyncio.gather(*(_drain(engine.generate([lo + i] * 20, params, f"warm{i}")) for i in range(copies)))
+    await asyncio.gather(*(_drain(engine.generate(EngineRequest([lo + i] * 20, params, f"warm{i}")))
+                           for i in range(copies)))
 
 
 async def _drain(gen: Any) -> None:

@@ -29,11 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _warm_up(engine: Any) -> None:
     """One tiny request so one-off costs (kernel build, allocator growth) stay out of the runs."""
+    from segue.engine.engine_request import EngineRequest
     from segue.sampling_params import SamplingParams
 
     lo = 1000 if engine.model_config.vocab_size > 4000 else 0
-    engine.add_request("warmup", list(range(lo, lo + 16)), SamplingParams(temperature=0, max_tokens=2,
-                                                                             ignore_eos=True))
+    warmup = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request(EngineRequest(list(range(lo, lo + 16)), warmup, "warmup"))
     while engine.has_unfinished_requests():
         engine.step()
 

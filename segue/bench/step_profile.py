@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from segue.engine.args import engine_config_from_args
+    from segue.engine.engine_request import EngineRequest
     from segue.engine.llm_engine import LLMEngine
     from segue.executor.model_executor import ModelExecutor
     from segue.sampling_params import SamplingParams
@@ -41,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     vocab = engine.model_config.vocab_size
     for _ in range(args.num_requests):
         prompt = [rng.randrange(1000, vocab - 1000) for _ in range(args.prompt_len)]
-        engine.add_request(None, prompt, SamplingParams(max_tokens=args.steps + 8, ignore_eos=True, **sampling))
+        engine.add_request(EngineRequest(prompt, SamplingParams(max_tokens=args.steps + 8, ignore_eos=True,
+                                                                **sampling)))
     needed = args.num_requests * (args.prompt_len + args.steps + 8)
     pool = engine.scheduler.kv.num_blocks * engine.scheduler.kv.block_size
     if needed > pool:

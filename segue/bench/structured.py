@@ -90,12 +90,13 @@ def measure_compile(engine: Any) -> dict[str, Any]:
 
 
 def measure_tpot(engine: Any, prompt: list[int], batch: int, output_len: int, spec: Any) -> float:
+    from segue.engine.engine_request import EngineRequest
     from segue.sampling_params import SamplingParams
     from segue.sim.metrics import RequestRecord, tpot
 
     for i in range(batch):
         params = SamplingParams(max_tokens=output_len, temperature=0.7, seed=i, ignore_eos=True, structured=spec)
-        engine.add_request(None, prompt, params)
+        engine.add_request(EngineRequest(prompt, params))
     values = [tpot(RequestRecord.from_output(o)) for o in _drain(engine)]
     return sum(v for v in values if v is not None) / len(values)
 
@@ -151,6 +152,7 @@ def _judge(mode: str, text: str) -> str:
 
 
 def run_validity(engine: Any, renderer: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from segue.engine.engine_request import EngineRequest
     from segue.sampling_params import SamplingParams
     from segue.structured import StructuredSpec
     from segue.structured.tool_grammar import auto_grammar, forced_grammar
@@ -169,7 +171,7 @@ def run_validity(engine: Any, renderer: Any, args: argparse.Namespace) -> dict[s
                 params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=i,
                                         structured=spec if constrained else None)
                 rid = f"{mode}-{int(constrained)}-{i}"
-                engine.add_request(rid, engine.encode(prompt), params)
+                engine.add_request(EngineRequest(engine.encode(prompt), params, rid))
                 jobs[rid] = (mode, constrained)
     results: dict[str, Any] = {}
     examples: dict[str, str] = {}

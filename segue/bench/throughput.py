@@ -54,6 +54,7 @@ def _drain(engine: Any, bar: Any) -> list[Any]:
 def run_segue_batch(engine: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
     from tqdm import tqdm
 
+    from segue.engine.engine_request import EngineRequest
     from segue.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -61,7 +62,7 @@ def run_segue_batch(engine: Any, prompts: list[list[int]], output_len: int) -> d
     with tqdm(total=len(prompts) * output_len, desc="segue batch", unit="tok", file=sys.stderr) as bar:
         start = time.monotonic()
         for prompt in prompts:
-            engine.add_request(None, prompt, params)
+            engine.add_request(EngineRequest(prompt, params))
         finished = _drain(engine, bar)
         duration = time.monotonic() - start
     records = [RequestRecord.from_output(o) for o in finished]
@@ -74,11 +75,12 @@ def run_segue_batch(engine: Any, prompts: list[list[int]], output_len: int) -> d
 def run_segue_single(engine: Any, prompt: list[int], output_len: int) -> dict[str, Any]:
     from tqdm import tqdm
 
+    from segue.engine.engine_request import EngineRequest
     from segue.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     with tqdm(total=output_len, desc="segue single", unit="tok", file=sys.stderr) as bar:
-        engine.add_request(None, prompt, params)
+        engine.add_request(EngineRequest(prompt, params))
         (out,) = _drain(engine, bar)
     r = RequestRecord.from_output(out)
     decode_s = r.finish_time - r.first_token_time

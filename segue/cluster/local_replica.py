@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
 
 from segue.cluster.replica import EngineReplica, ReplicaOutput
 from segue.engine.async_engine import AsyncLLMEngine
+from segue.engine.engine_request import EngineRequest
 from segue.engine.model_info import ModelInfo
 from segue.engine.stats import EngineStats
 from segue.sampling_params import SamplingParams
@@ -22,16 +23,14 @@ class LocalReplica(EngineReplica):
     def describe(self) -> ModelInfo:
         return self.engine.model_info()
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       hints: dict[str, Any]) -> AsyncGenerator[ReplicaOutput, None]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[ReplicaOutput, None]:
         # aclosing: leaving this stream must close the engine's at once (its finally aborts the request).
-        async with contextlib.aclosing(self.engine.generate(prompt_token_ids, params, request_id, **hints)) as outs:
+        async with contextlib.aclosing(self.engine.generate(request)) as outs:
             async for out in outs:
                 yield out, self.engine.load_report()
 
     async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
-                               tool_parser: Any, keep: int | None = None) -> AsyncGenerator[ReplicaOutput, None]:
-        # In process the engine holds the caller's parser object itself: nothing to refresh.
+                               keep: int | None = None) -> AsyncGenerator[ReplicaOutput, None]:
         async with contextlib.aclosing(self.engine.continue_request(request_id, tokens, params, keep)) as outs:
             async for out in outs:
                 yield out, self.engine.load_report()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import uuid
 from typing import Any, AsyncGenerator, Callable, Sequence
@@ -28,6 +29,7 @@ from typing import Any, AsyncGenerator, Callable, Sequence
 from segue.cluster.replica import EngineReplica, ReplicaOutput
 from segue.cluster.router import Router, RouteRequest
 from segue.engine.async_engine import remember_early
+from segue.engine.engine_request import EngineRequest
 from segue.engine.input_processor import InputProcessor
 from segue.engine.model_info import ModelInfo
 from segue.engine.protocol import EngineDeadError
@@ -53,7 +55,6 @@ class EnginePool:
         self._owners: dict[str, int] = {}
         self._streaming: set[str] = set()
         self._detached: set[str] = set()
-        self._parsers: dict[str, Any] = {}
         self._prompts: dict[str, str] = {}
         # Objectives updated before their request was placed (set_latency_sensitive).
         self._early_objectives: dict[str, bool] = {}
@@ -73,33 +74,29 @@ class EnginePool:
         return self.inputs.apply_chat_template(messages, add_generation_prompt, tools)
 
     # ---- requests (EngineClient) -------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
-                       priority: int = 0, program_id: str | None = None, tool_parser: Any = None,
-                       cache_salt: str | None = None, expected_tool_s: float | None = None,
-                       latency_sensitive: bool = True,
-                       task_group: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """The prompt is checked here, before routing (a bad one never reaches the router's prefix
-        index); the replica builds the request. task_group is the router's alone."""
+        index); the replica builds the request from its token ids. The task group is the
+        router's alone."""
         self._check_alive()
-        rid = request_id or uuid.uuid4().hex
+        rid = request.request_id or uuid.uuid4().hex
         self._check_free(rid)
         loop = asyncio.get_running_loop()
-        _, token_ids = await loop.run_in_executor(None, self.inputs.process, prompt, params)
+        _, token_ids = await loop.run_in_executor(None, self.inputs.process, request.prompt, request.params)
         self._check_alive()
         self._check_free(rid)
         self._sync_availability()
-        decision = self.router.route(RouteRequest(rid, token_ids, program_id, task_group, cache_salt))
+        hints = request.hints
+        decision = self.router.route(RouteRequest(rid, token_ids, hints.program_id, hints.task_group,
+                                                  hints.cache_salt))
         replica = self.replicas[decision.replica]
         self._owners[rid] = decision.replica
-        latency_sensitive = self._early_objectives.pop(rid, latency_sensitive)
-        hints: dict[str, Any] = {"priority": priority, "program_id": program_id, "tool_parser": tool_parser,
-                                 "cache_salt": cache_salt, "expected_tool_s": expected_tool_s,
-                                 "latency_sensitive": latency_sensitive}
-        if tool_parser is not None:
-            self._parsers[rid] = tool_parser
-        if isinstance(prompt, str):
-            self._prompts[rid] = prompt
-        async for out in self._stream(rid, replica, replica.generate(token_ids, params, rid, hints)):
+        latency_sensitive = self._early_objectives.pop(rid, hints.latency_sensitive)
+        placed = dataclasses.replace(request, prompt=token_ids, request_id=rid,
+                                     hints=dataclasses.replace(hints, latency_sensitive=latency_sensitive))
+        if isinstance(request.prompt, str):
+            self._prompts[rid] = request.prompt
+        async for out in self._stream(rid, replica, replica.generate(placed)):
             yield out
 
     async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None = None,
@@ -109,7 +106,7 @@ class EnginePool:
         if request_id in self._streaming:
             raise InvalidRequestError(f"request {request_id!r} is still streaming")
         self._detached.discard(request_id)
-        source = replica.continue_request(request_id, tokens, params, self._parsers.get(request_id), keep)
+        source = replica.continue_request(request_id, tokens, params, keep)
         async for out in self._stream(request_id, replica, source):
             yield out
 
@@ -247,7 +244,6 @@ class EnginePool:
     def _forget(self, rid: str) -> None:
         self._owners.pop(rid, None)
         self._detached.discard(rid)
-        self._parsers.pop(rid, None)
         self._prompts.pop(rid, None)
 
     def _replica_of(self, request_id: str) -> EngineReplica:

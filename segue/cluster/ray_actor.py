@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
 
 from segue.config import EngineConfig
 from segue.engine.async_engine import AsyncLLMEngine
+from segue.engine.engine_request import EngineRequest
 from segue.engine.model_info import ModelInfo
 from segue.engine.stats import EngineStats, LoadReport
 from segue.outputs import RequestOutput
@@ -84,22 +85,19 @@ class EngineActor:
             os._exit(1)
         return self.incarnation
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       hints: dict[str, Any]) -> AsyncGenerator[ActorOutput, None]:
-        async for item in self._serve(request_id, self.engine.generate(prompt_token_ids, params, request_id, **hints)):
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[ActorOutput, None]:
+        assert request.request_id is not None, "the pool names a request before placing it"
+        async for item in self._serve(request.request_id, self.engine.generate(request)):
             yield item
 
     async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
-                               tool_parser: Any, keep: int | None = None) -> AsyncGenerator[ActorOutput, None]:
+                               keep: int | None = None) -> AsyncGenerator[ActorOutput, None]:
         previous = self._streams.get(request_id)
         if previous is not None and previous[0].is_set():
             # A detach of the last turn's stream is still closing it; continuing now would find
             # that stream open. (RayReplica also awaits the detach first: async actors do not
             # promise to run one caller's calls in order.)
             await previous[1].wait()
-        if tool_parser is not None:
-            # The server re-arms its parser between turns; the actor's copy must be that one.
-            await self.engine.set_tool_parser(request_id, tool_parser)
         async for item in self._serve(request_id, self.engine.continue_request(request_id, tokens, params, keep)):
             yield item
 

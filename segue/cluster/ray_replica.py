@@ -29,6 +29,7 @@ from segue.cluster.ray_actor import EngineActor
 from segue.cluster.ray_health import ActorHealth
 from segue.cluster.replica import EngineReplica, ReplicaOutput
 from segue.config import EngineConfig
+from segue.engine.engine_request import EngineRequest
 from segue.engine.model_info import ModelInfo
 from segue.engine.protocol import EngineDeadError
 from segue.engine.stats import EngineStats
@@ -67,22 +68,21 @@ class RayReplica(EngineReplica):
     def restarts(self) -> int:
         return self.health.restarts
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       hints: dict[str, Any]) -> AsyncGenerator[ReplicaOutput, None]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[ReplicaOutput, None]:
         self._check_up()
-        stream = self.actor.generate.options(num_returns="streaming").remote(
-            prompt_token_ids, params, request_id, hints)
-        async for item in self._relay(request_id, stream):
+        assert request.request_id is not None, "the pool names a request before placing it"
+        stream = self.actor.generate.options(num_returns="streaming").remote(request)
+        async for item in self._relay(request.request_id, stream):
             yield item
 
     async def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
-                               tool_parser: Any, keep: int | None = None) -> AsyncGenerator[ReplicaOutput, None]:
+                               keep: int | None = None) -> AsyncGenerator[ReplicaOutput, None]:
         self._check_up()
         pending = self._detaching.pop(request_id, None)
         if pending is not None:
             await self._settle(pending)
         stream = self.actor.continue_request.options(num_returns="streaming").remote(
-            request_id, tokens, params, tool_parser, keep)
+            request_id, tokens, params, keep)
         async for item in self._relay(request_id, stream):
             yield item
 

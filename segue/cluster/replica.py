@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
 
+from segue.engine.engine_request import EngineRequest
 from segue.engine.stats import EngineStats, LoadReport
 from segue.outputs import RequestOutput
 from segue.sampling_params import SamplingParams
@@ -41,15 +42,14 @@ class EngineReplica(abc.ABC):
         """The served model (blocking; called while the pool is built)."""
 
     @abc.abstractmethod
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 hints: dict[str, Any]) -> AsyncGenerator[ReplicaOutput, None]:
-        """AsyncLLMEngine.generate on this replica; `hints` are its keyword arguments."""
+    def generate(self, request: EngineRequest) -> AsyncGenerator[ReplicaOutput, None]:
+        """AsyncLLMEngine.generate on this replica; the pool has named the request and tokenized
+        its prompt."""
 
     @abc.abstractmethod
     def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None,
-                         tool_parser: Any, keep: int | None = None) -> AsyncGenerator[ReplicaOutput, None]:
-        """AsyncLLMEngine.continue_request; `tool_parser` is the caller's current parser object (the
-        server re-arms it between turns), for replicas that hold a copy of it."""
+                         keep: int | None = None) -> AsyncGenerator[ReplicaOutput, None]:
+        """AsyncLLMEngine.continue_request."""
 
     @abc.abstractmethod
     async def resume(self, request_id: str, tokens: list[int], params: SamplingParams | None,

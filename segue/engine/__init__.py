@@ -2,7 +2,8 @@
 
 Read it in this order:
 - `protocol.py`: EngineClient, everything the server (and programs) may ask of an engine, with the
-  types it speaks (`model_info.py`, `stats.py`).
+  types it speaks (`engine_request.py`: the one value a new request crosses it as; `model_info.py`,
+  `stats.py`).
 - `llm_engine.py`: LLMEngine, the synchronous step loop; `requests.py` holds what callers do to
   requests between steps; `request_factory.py` (with `input_processor.py`, `detokenizer.py`,
   `request_state.py`) makes a request off the engine thread; `output_processor.py` turns a request

@@ -13,6 +13,7 @@ import contextlib
 from typing import Any, AsyncGenerator, Callable, TypeVar
 
 from segue.config import EngineConfig
+from segue.engine.engine_request import EngineRequest
 from segue.engine.engine_thread import EngineThread, build_off_caller_thread
 from segue.engine.llm_engine import LLMEngine
 from segue.engine.model_info import ModelInfo
@@ -63,20 +64,13 @@ class AsyncLLMEngine:
         return self.engine.apply_chat_template(messages, add_generation_prompt, tools)
 
     # ---- requests (EngineClient) ---------------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
-                       priority: int = 0, program_id: str | None = None, tool_parser: Any = None,
-                       cache_salt: str | None = None, expected_tool_s: float | None = None,
-                       latency_sensitive: bool = True,
-                       task_group: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """Yields the cumulative output after every new token; the last one has finished=True.
         Leaving the iterator early (client disconnect, cancellation) aborts the request, unless
-        it was detach()ed. One engine has nowhere to place a task group: it is ignored."""
-        del task_group
+        it was detach()ed. One engine has nowhere to place a task group: that hint is ignored."""
         self._check_alive()
         loop = asyncio.get_running_loop()
-        state = await loop.run_in_executor(None, lambda: self.engine.make_request(
-            request_id, prompt, params, priority=priority, program_id=program_id, tool_parser=tool_parser,
-            cache_salt=cache_salt, expected_tool_s=expected_tool_s, latency_sensitive=latency_sensitive))
+        state = await loop.run_in_executor(None, self.engine.make_request, request)
         self._check_alive()
         rid = state.request.request_id
         if rid in self.streams:
@@ -160,9 +154,6 @@ class AsyncLLMEngine:
     def set_tool_hint(self, name: str, seconds: float | None) -> None:
         # DurationStats takes its own lock: no need to wait for the engine thread.
         self.engine.tool_stats.set_hint(name, seconds)
-
-    async def set_tool_parser(self, request_id: str, parser: Any) -> None:
-        await self._on_loop(LLMEngine.set_tool_parser, request_id, parser)
 
     # ---- paused requests and stats (EngineClient) -------------------------------------------
     async def held_token_ids(self, request_id: str) -> list[int] | None:

@@ -6,6 +6,7 @@ from typing import cast
 from tqdm import tqdm
 
 from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+from segue.engine.engine_request import EngineRequest
 from segue.engine.llm_engine import LLMEngine
 from segue.outputs import RequestOutput
 from segue.sampling_params import SamplingParams
@@ -36,7 +37,8 @@ class LLM:
         batch = cast(list[str | list[int]], [prompts] if one else prompts)
         params = params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(batch)
-        ids = [self.engine.add_request(None, p, sp).request_id for p, sp in zip(batch, params_list, strict=True)]
+        requests = [EngineRequest(p, sp) for p, sp in zip(batch, params_list, strict=True)]
+        ids = [self.engine.add_request(r).request_id for r in requests]
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
             while self.engine.has_unfinished_requests():

@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from segue.config import EngineConfig
+from segue.engine.engine_request import EngineRequest
 from segue.engine.generation_defaults import generation_defaults
 from segue.engine.input_processor import InputProcessor
 from segue.engine.model_info import ModelInfo
@@ -97,14 +98,10 @@ class LLMEngine(EngineRequests):
         handing a resume to the engine thread (a cold compile would stall every request there)."""
         return self.factory.compile_grammar(params)
 
-    def make_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                     arrival_time: float | None = None, priority: int = 0,
-                     program_id: str | None = None, tool_parser: Any = None,
-                     cache_salt: str | None = None, expected_tool_s: float | None = None,
-                     latency_sensitive: bool = True) -> RequestState:
-        """Validate and tokenize without touching engine state; add_prepared() takes the result."""
-        return self.factory.make_request(request_id, prompt, params, arrival_time, priority, program_id,
-                                         tool_parser, cache_salt, expected_tool_s, latency_sensitive)
+    def make_request(self, request: EngineRequest) -> RequestState:
+        """Validate and tokenize without touching engine state (RequestFactory, safe from any
+        thread); add_prepared() takes the result on the engine thread."""
+        return self.factory.make_request(request)
 
     # ---- what callers may read of the engine ---------------------------------------------
     def stats(self) -> EngineStats:

@@ -1,7 +1,8 @@
 """EngineClient: everything the HTTP server (and programs) may ask of "the engine".
 
-One typed seam. Two implementations: AsyncLLMEngine (one engine on its own thread) and
-cluster.EnginePool (several replicas behind a router). Nothing above this seam reads engine or
+One typed seam; a new request crosses it as one EngineRequest (engine/engine_request.py). Two
+implementations: AsyncLLMEngine (one engine on its own thread) and cluster.EnginePool (several
+replicas behind a router). Nothing above this seam reads engine or
 scheduler internals: each question the server has (the tokens a paused request holds, a hint
 about when it resumes, a metrics snapshot) is a named method here, answered on the engine's side.
 tests/test_architecture.py checks that the server imports nothing else of the engine.
@@ -11,8 +12,9 @@ render and belong in a worker thread (the server's ServingContext.in_thread).
 """
 from __future__ import annotations
 
-from typing import Any, AsyncGenerator, Protocol, runtime_checkable
+from typing import AsyncGenerator, Protocol, runtime_checkable
 
+from segue.engine.engine_request import EngineRequest
 from segue.engine.model_info import ModelInfo
 from segue.engine.stats import EngineStats
 from segue.outputs import RequestOutput
@@ -39,15 +41,12 @@ class EngineClient(Protocol):
         """The prompt text of a chat (blocking); InvalidRequestError if the model has no template."""
 
     # ---- requests ---------------------------------------------------------------------------
-    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, *,
-                 priority: int = 0, program_id: str | None = None, tool_parser: Any = None,
-                 cache_salt: str | None = None, expected_tool_s: float | None = None,
-                 latency_sensitive: bool = True, task_group: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+    def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """The cumulative output after every new token; the last has finished=True, or paused=True
-        for a request paused at a tool call or turn end. Leaving the iterator early aborts the
-        request unless it was detach()ed. The prompt is validated first (InvalidRequestError).
-        cache_salt: requests share cached prefix blocks only with equal salts (tenant isolation).
-        task_group: calls that run best side by side (a pool places them together)."""
+        for a request paused at a tool call (its calls on CompletionOutput.tool_calls, parsed by
+        the engine in the request's tool_format) or at a turn end. Leaving the iterator early
+        aborts the request unless it was detach()ed. The prompt is validated first
+        (InvalidRequestError)."""
 
     def continue_request(self, request_id: str, tokens: list[int], params: SamplingParams | None = None,
                          keep: int | None = None) -> AsyncGenerator[RequestOutput, None]:

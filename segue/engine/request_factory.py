@@ -1,10 +1,11 @@
 """Making a request for the engine from a prompt, off the engine thread.
 
-RequestFactory validates and tokenizes the prompt (engine/input_processor.py), builds a constrained
-request's grammar matcher (the constrained-decoding backend, created on first use) and the
-request's incremental detokenizer, and hands back the RequestState the engine adds between steps.
-It reads only the model, never engine state, so callers run it on their own worker threads: a
-long tokenization or a cold grammar compile never stalls the step loop.
+RequestFactory takes an EngineRequest (engine/engine_request.py), validates and tokenizes its
+prompt (engine/input_processor.py), builds a constrained request's grammar matcher (the
+constrained-decoding backend, created on first use), the request's incremental detokenizer and
+its tool-call parser (from the format the request names), and hands back the RequestState the
+engine adds between steps. It reads only the model, never engine state, so callers run it on
+their own worker threads: a long tokenization or a cold grammar compile never stalls the step loop.
 """
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ import uuid
 from typing import Any
 
 from segue.engine.detokenizer import IncrementalDetokenizer
+from segue.engine.engine_request import EngineRequest
 from segue.engine.input_processor import InputProcessor
 from segue.engine.request_state import RequestState
 from segue.outputs import RequestMetrics
 from segue.request import Request
 from segue.sampling_params import SamplingParams
+from segue.tools.parser import ToolCallParser
 
 
 class RequestFactory:
@@ -51,22 +54,22 @@ class RequestFactory:
             return None
         return self.grammars.compile(params.structured)
 
-    def make_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                     arrival_time: float | None = None, priority: int = 0,
-                     program_id: str | None = None, tool_parser: Any = None,
-                     cache_salt: str | None = None, expected_tool_s: float | None = None,
-                     latency_sensitive: bool = True) -> RequestState:
-        """Validate and tokenize without touching engine state."""
-        text, token_ids = self.inputs.process(prompt, params)
-        request_id = request_id or uuid.uuid4().hex
-        now = time.monotonic() if arrival_time is None else arrival_time
-        request = Request(request_id, token_ids, params, now, self.model_config.eos_token_ids,
-                          priority=priority, program_id=program_id, cache_salt=cache_salt,
-                          latency_sensitive=latency_sensitive)
+    def make_request(self, request: EngineRequest) -> RequestState:
+        """Validate and tokenize without touching engine state; the engine's own tool-call parser
+        comes from the request's format."""
+        params = request.params
+        text, token_ids = self.inputs.process(request.prompt, params)
+        request_id = request.request_id or uuid.uuid4().hex
+        now = time.monotonic() if request.arrival_time is None else request.arrival_time
+        hints = request.hints
+        req = Request(request_id, token_ids, params, now, self.model_config.eos_token_ids,
+                      priority=hints.priority, program_id=hints.program_id, cache_salt=hints.cache_salt,
+                      latency_sensitive=hints.latency_sensitive)
         if params.structured is not None:
-            request.grammar = self.grammars.matcher(params.structured, start=0,
-                                                    output_limit=self.max_model_len - len(token_ids))
+            req.grammar = self.grammars.matcher(params.structured, start=0,
+                                                output_limit=self.max_model_len - len(token_ids))
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
-        return RequestState(request, text, detok, RequestMetrics(arrival_time=now),
-                            [] if params.logprobs is not None else None, tool_parser=tool_parser,
-                            expected_tool_s=expected_tool_s)
+        parser = ToolCallParser.for_format(request.tool_format) if request.tool_format is not None else None
+        return RequestState(req, text, detok, RequestMetrics(arrival_time=now),
+                            [] if params.logprobs is not None else None, tool_parser=parser,
+                            expected_tool_s=hints.expected_tool_s)

@@ -3,11 +3,11 @@ detokenizer, logprobs, tool calls) and the timings reported back to the client."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from segue.engine.detokenizer import IncrementalDetokenizer
 from segue.outputs import RequestMetrics, TokenLogprob
 from segue.request import Request
+from segue.tools.parser import ToolCallParser
 
 
 @dataclass
@@ -19,8 +19,8 @@ class RequestState:
     logprobs: list[TokenLogprob] | None = field(default=None)
     # Text of the generated segments before the last interception (tool results excluded).
     text_before: str = ""
-    # Detects tool calls in the output (requests that may call tools); None: never intercept.
-    tool_parser: Any = None
+    # Detects tool calls in the output, built from the request's ToolCallFormat; None: never intercept.
+    tool_parser: ToolCallParser | None = None
     tool_calls: list | None = None
     # The client's hint of how long its tool calls take (extra_body expected_tool_seconds).
     expected_tool_s: float | None = None

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from segue.engine.detokenizer import IncrementalDetokenizer
+from segue.engine.engine_request import EngineRequest
 from segue.engine.hooks import StepHooks
 from segue.engine.output_processor import make_output
 from segue.engine.request_factory import RequestFactory
@@ -52,12 +53,9 @@ class EngineRequests:
         self.scheduler.add_request(state.request)
         return state.request
 
-    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0,
-                    program_id: str | None = None, tool_parser: Any = None) -> Request:
-        state = self.factory.make_request(request_id, prompt, params, arrival_time, priority, program_id,
-                                          tool_parser)
-        return self.add_prepared(state)
+    def add_request(self, request: EngineRequest) -> Request:
+        """make_request and add_prepared in one (callers on the engine's own thread)."""
+        return self.add_prepared(self.factory.make_request(request))
 
     # ---- interceptions -------------------------------------------------------------------
     def intercept(self, request_id: str, tool: str | None = None, expected_s: float | None = None,
@@ -159,12 +157,6 @@ class EngineRequests:
         if state is not None:
             state.request.latency_sensitive = latency_sensitive
         return state is not None
-
-    def set_tool_parser(self, request_id: str, parser: Any) -> None:
-        """The caller re-armed its tool-call parser between turns (a copy of it lives here)."""
-        state = self._states.get(request_id)
-        if state is not None:
-            state.tool_parser = parser
 
     # ---- what callers may read -----------------------------------------------------------
     def paused_token_ids(self, request_id: str) -> list[int] | None:

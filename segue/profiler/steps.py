@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from segue.engine.engine_request import EngineRequest
 from segue.engine.llm_engine import LLMEngine
 from segue.executor.step_fit import StepFit, StepPoint, fit_steps
 from segue.kv.manager import cdiv
@@ -152,8 +153,8 @@ class _Runner:
     def add(self, tokens: int, max_tokens: int, prefix: list[int] | None = None) -> list[int]:
         # Random ids (no prefix-cache hits beyond `prefix`), away from the special tokens at both ends.
         prompt = (prefix or []) + [self.rng.randrange(self.vocab // 10, self.vocab - 10) for _ in range(tokens)]
-        self.engine.add_request(None, prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                             ignore_eos=True))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        self.engine.add_request(EngineRequest(prompt, params))
         return prompt
 
     def run(self, join_after_decodes: int = -1, join_tokens: int = 0) -> list[_Step]:

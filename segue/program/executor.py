@@ -16,8 +16,9 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
+from segue.engine.engine_request import EngineRequest, RequestHints
 from segue.engine.protocol import EngineClient, EngineDeadError
 from segue.outputs import RequestOutput
 from segue.program.graph import CallObjective, CycleError
@@ -64,7 +65,7 @@ class ProgramExecutor:
         self._prefilling: dict[int, asyncio.Event] = {}
 
     # ---- programs and variables ----------------------------------------------------------
-    def create_program(self, owner: str | None, hints: dict[str, Any] | None = None) -> Program:
+    def create_program(self, owner: str | None, hints: RequestHints | None = None) -> Program:
         return self.registry.create(owner, hints)
 
     def delete_program(self, owner: str | None, program_id: str) -> Program:
@@ -205,7 +206,7 @@ class ProgramExecutor:
             room = (self.max_model_len or DEFAULT_MAX_TOKENS_CAP + len(prompt)) - len(prompt)
             params = dataclasses.replace(params, max_tokens=max(1, min(room, DEFAULT_MAX_TOKENS_CAP)))
         call.state = CallState.RUNNING
-        hashes = prefix_hashes(prompt, boundaries, program.hints.get("cache_salt"),
+        hashes = prefix_hashes(prompt, boundaries, program.hints.cache_salt,
                                self.min_shared_tokens) if self.share_prefix else []
         released = asyncio.Event()
         mine = await self._claim_prefixes(hashes, len(prompt), released)
@@ -213,10 +214,10 @@ class ProgramExecutor:
         call.times["launched"] = time.monotonic()
         try:
             final: RequestOutput | None = None
-            async for out in self.engine.generate(prompt, params, request_id=call.id, priority=call.priority or 0,
-                                                  program_id=scoped_program_id(program.owner, program.id),
-                                                  latency_sensitive=call.criteria != Criteria.THROUGHPUT.value,
-                                                  **program.hints):
+            hints = dataclasses.replace(program.hints, priority=call.priority or 0,
+                                        program_id=scoped_program_id(program.owner, program.id),
+                                        latency_sensitive=call.criteria != Criteria.THROUGHPUT.value)
+            async for out in self.engine.generate(EngineRequest(prompt, params, call.id, hints=hints)):
                 released.set()  # the first output comes after the prompt's KV is computed and cached
                 final = out
         finally:

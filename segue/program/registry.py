@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
+from segue.engine.engine_request import RequestHints
 from segue.program.state import LimitError, NotFoundError, Program
 from segue.program.variables import SemanticVariable
 
@@ -41,7 +42,7 @@ class ProgramRegistry:
         self._var_index: dict[str, str] = {}
         self._on_drop = on_drop
 
-    def create(self, owner: str | None, hints: dict[str, Any] | None = None) -> Program:
+    def create(self, owner: str | None, hints: RequestHints | None = None) -> Program:
         self.expire()
         if len(self.programs) >= self.limits.max_programs:
             raise LimitError(f"the server holds {len(self.programs)} programs, its limit; delete finished "
@@ -50,7 +51,7 @@ class ProgramRegistry:
         if owned >= self.limits.max_programs_per_owner:
             raise LimitError(f"this API key holds {owned} programs, its limit; delete finished programs "
                              "(DELETE /v1/programs/{id})")
-        program = Program(owner, dict(hints or {}))
+        program = Program(owner, hints or RequestHints())
         self.programs[program.id] = program
         return program
 

@@ -7,8 +7,8 @@ import enum
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
+from segue.engine.engine_request import RequestHints
 from segue.program.graph import ProgramGraph
 from segue.program.template import Template
 from segue.program.transforms import Transform
@@ -84,8 +84,9 @@ class Call:
 @dataclass(eq=False)
 class Program:
     owner: str | None
-    # Engine hints every call of the program carries (the tenant's prefix-cache salt).
-    hints: dict[str, Any] = field(default_factory=dict)
+    # Engine hints every call of the program carries (the tenant's prefix-cache salt); each call
+    # adds its own priority, program id and objective.
+    hints: RequestHints = field(default_factory=RequestHints)
     id: str = field(default_factory=lambda: f"prog-{uuid.uuid4().hex}")
     graph: ProgramGraph = field(default_factory=ProgramGraph)
     variables: dict[str, SemanticVariable] = field(default_factory=dict)

@@ -23,10 +23,12 @@ a fresh request's tokens and recomputes only from the first difference.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from fastapi import Request
 
+from segue.engine.engine_request import EngineRequest
 from segue.outputs import RequestOutput
 from segue.program.registry import scoped_program_id
 from segue.sampling_params import InvalidRequestError
@@ -40,6 +42,7 @@ from segue.server.sessions import HeldRequest, Session
 from segue.server.streaming import prepend, unless_disconnected
 from segue.server.templating import normalize
 from segue.server.tool_loop import ChatTurn
+from segue.tools.call_format import HERMES
 from segue.tools.parser import ToolCallParser
 
 
@@ -117,13 +120,16 @@ async def start_fresh(ctx: ServingContext, request: Request, body: ChatCompletio
     # paused turn; elsewhere nobody would ever resume it.
     params.pause_on_stop = params.pause_on_length = (session is not None or bool(body.open_session)
                                                      or (choice == 0 and auto_eligible(ctx, body)))
-    parser = ToolCallParser() if setup.enabled else None
+    # The engine pauses at calls in this format and parses them (CompletionOutput.tool_calls); the
+    # turn's own parser, of the same format, only keeps call text out of the streamed content.
+    tool_format = HERMES if setup.enabled else None
+    parser = ToolCallParser.for_format(tool_format) if tool_format is not None else None
     rid = random_id("chatcmpl")
-    hints = {**body.engine_hints(tenant), **ctx.generate_hints(cache_salt(tenant))}
-    if session is not None:
+    hints = body.engine_hints(tenant, ctx.prefix_cache_salt(cache_salt(tenant)))
+    if session is not None and hints.program_id is None:
         # A session is one conversation: the program of program-level policies when none is named.
-        hints.setdefault("program_id", scoped_program_id(tenant, session.session_id))
-    gen = ctx.engine.generate(prompt_ids, params, request_id=rid, tool_parser=parser, **hints)
+        hints = dataclasses.replace(hints, program_id=scoped_program_id(tenant, session.session_id))
+    gen = ctx.engine.generate(EngineRequest(prompt_ids, params, rid, hints=hints, tool_format=tool_format))
     if session is not None:
         session.active_request_id = rid
     first = await _first(request, deadline, gen)

@@ -55,10 +55,12 @@ class ServingContext:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def generate_hints(self, tenant_salt: str | None) -> dict[str, Any]:
+    def prefix_cache_salt(self, tenant_salt: str | None) -> str | None:
+        """The prefix-cache salt of a tenant's requests: its own under per-key isolation, else
+        none (every tenant shares the cache)."""
         if tenant_salt is not None and self.config.prefix_cache_isolation == "per_key":
-            return {"cache_salt": tenant_salt}
-        return {}
+            return tenant_salt
+        return None
 
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         # Tokenizers and chat templates are slow enough to stall every other stream on the loop.

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from segue.engine.engine_request import RequestHints
 from segue.program.registry import scoped_program_id
 from segue.sampling_params import InvalidRequestError, SamplingParams
 from segue.server.errors import APIError
@@ -102,13 +103,9 @@ class _SamplingRequest(_Request):
                 raise InvalidRequestError(f"{name} is not supported yet (only 0 is accepted)", param=name,
                                           code="unsupported_value")
 
-    def engine_hints(self, tenant: str | None) -> dict[str, Any]:
-        hints: dict[str, Any] = {}
-        if self.priority is not None:
-            hints["priority"] = self.priority
-        if self.program_id is not None:
-            hints["program_id"] = scoped_program_id(tenant, self.program_id)
-        return hints
+    def engine_hints(self, tenant: str | None, cache_salt: str | None) -> RequestHints:
+        program_id = scoped_program_id(tenant, self.program_id) if self.program_id is not None else None
+        return RequestHints(priority=self.priority or 0, program_id=program_id, cache_salt=cache_salt)
 
     def output_spec(self) -> StructuredSpec | None:
         return output_spec(self.response_format, self.guided_json, self.guided_regex, self.guided_choice)

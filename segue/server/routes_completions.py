@@ -11,6 +11,7 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request, Response
 from starlette.responses import JSONResponse
 
+from segue.engine.engine_request import EngineRequest
 from segue.outputs import RequestOutput
 from segue.server import responses as r
 from segue.server.auth import cache_salt, tenant_of
@@ -84,12 +85,13 @@ async def completions(request: Request) -> Response:
         prompt_ids = await ctx.tokenize(body.single_prompt())
         rid, created = random_id("cmpl"), int(time.time())
         tenant = tenant_of(request)
-        hints = {**body.engine_hints(tenant), **ctx.generate_hints(cache_salt(tenant))}
+        hints = body.engine_hints(tenant, ctx.prefix_cache_salt(cache_salt(tenant)))
 
         async def start(index: int) -> Prepended | None:
             params = body.to_sampling_params(len(prompt_ids), ctx.max_model_len, ctx.generation_defaults)
             params.seed = choice_seed(params.seed, index)
-            gen = ctx.engine.generate(prompt_ids, params, request_id=f"{rid}-{index}" if index else rid, **hints)
+            request_id = f"{rid}-{index}" if index else rid
+            gen = ctx.engine.generate(EngineRequest(prompt_ids, params, request_id, hints=hints))
             first = await unless_disconnected(request, deadline.next(gen))
             if first is None:
                 await gen.aclose()

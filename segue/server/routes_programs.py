@@ -13,6 +13,7 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from pydantic import BaseModel
 from starlette.responses import JSONResponse
 
+from segue.engine.engine_request import RequestHints
 from segue.program.executor import ProgramExecutor
 from segue.program.protocol import (
     CallCreate,
@@ -73,7 +74,8 @@ async def create_program(request: Request) -> JSONResponse:
     await _body(request, ProgramCreate)
     ctx, tenant = serving(request), tenant_of(request)
     try:
-        program = programs(request).create_program(tenant, ctx.generate_hints(cache_salt(tenant)))
+        hints = RequestHints(cache_salt=ctx.prefix_cache_salt(cache_salt(tenant)))
+        program = programs(request).create_program(tenant, hints)
     except ProgramError as e:
         raise _api_error(e) from None
     return JSONResponse(program_json(program))

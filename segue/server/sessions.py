@@ -49,6 +49,7 @@ class HeldRequest:
     num_generated: int
     # Results of server-side calls made in the same pause, appended before the client's.
     server_results: list[dict[str, Any]]
+    # The turn's parser (of the request's tool-call format), for splitting the next turn's text.
     parser: ToolCallParser | None
     tools: list[dict[str, Any]]
     # Text of the token held after `segment` when the turn paused at its stop (the end-of-turn

@@ -64,7 +64,9 @@ class ChatTurn:
         self.request_id = request_id
         self.outputs = outputs
         self.setup = setup
-        # Stateless: the engine thread finds calls with it, the server splits text with it here.
+        # Of the format the engine was given (EngineRequest.tool_format). The engine finds and parses
+        # the calls (CompletionOutput.tool_calls, read in _on_pause); this one only splits the
+        # streamed text, which the engine returns whole, into content and call markup.
         self.parser = parser
         self.context = context
         self.deadline = deadline
@@ -137,7 +139,9 @@ class ChatTurn:
         if self.parser is None or out.finished or _ended_turn(out):
             # A call cut off by max_tokens stays visible: the client should see what was written.
             return chunk
-        return self.parser.find_calls(chunk, strip=False)[0]
+        # Only the content: the calls in this chunk reach the client (or the runner) as the engine
+        # parsed them, from its output at the pause (_on_pause), so nothing here parses them again.
+        return self.parser.content(chunk)
 
     def _logprobs(self, c: CompletionOutput) -> list[TokenLogprob] | None:
         if c.logprobs is None or len(c.logprobs) <= self.sent_logprobs:

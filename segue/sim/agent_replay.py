@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from segue.engine.engine_request import EngineRequest
 from segue.sampling_params import SamplingParams
 from segue.sim.agent_report import ttft_fields
 from segue.sim.replay import token_range
@@ -110,7 +111,7 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
         a = st.agent
         if mode == "plain":
             st.turn_starts[st.turn] = at
-            engine.add_request(f"a{a.index}-t{st.turn}", list(st.context), params, arrival_time=at)
+            engine.add_request(EngineRequest(list(st.context), params, f"a{a.index}-t{st.turn}", arrival_time=at))
             return
         st.turn_starts[0] = at
         # Each pause ends a turn, as on the server: the client runs the tool and sends its result
@@ -121,7 +122,7 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
             # Held after the last turn until dropped (the resume at 10 × TTL never comes).
             script[-1] = TraceSegment(spec.output_tokens, 10 * ttl_s, [vocab[0]], kind=TURN)
             script.append(TraceSegment(1))
-        scripted(engine).add_request(f"a{a.index}", list(st.context), params, script, arrival_time=at)
+        scripted(engine).add_request(EngineRequest(list(st.context), params, f"a{a.index}", arrival_time=at), script)
 
     def push(at: float, idx: int, action: str) -> None:
         nonlocal seq

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from segue.engine.engine_request import EngineRequest, RequestHints
 from segue.sampling_params import SamplingParams
 
 WORKLOADS = ("chain", "map-reduce")
@@ -128,9 +129,9 @@ def run_program(engine: Any, spec: ProgramSpec, program_aware: bool, clock_wait:
             at, _, name = heapq.heappop(due)
             c = by_name[name]
             prompt = c.instruction + [t for d in c.deps for t in by_name[d].output] + c.own
-            state = engine.make_request(name, prompt, params, arrival_time=at, priority=c.priority,
-                                        program_id="p" if program_aware else None,
-                                        latency_sensitive=c.latency_sensitive)
+            hints = RequestHints(priority=c.priority, program_id="p" if program_aware else None,
+                                 latency_sensitive=c.latency_sensitive)
+            state = engine.make_request(EngineRequest(prompt, params, name, hints=hints, arrival_time=at))
             engine.add_prepared(state)
             c.added_at = at
         if engine.has_unfinished_requests():

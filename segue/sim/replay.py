@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from segue.engine.engine_request import EngineRequest
 from segue.sampling_params import SamplingParams
 from segue.sched.waste import WasteTotals
 from segue.sim.metrics import RequestRecord, summarize
@@ -89,8 +90,8 @@ def replay(engine: Any, requests: Sequence[TraceRequest], arrivals: Sequence[flo
                 i = order[nxt]
                 prompt, script = requests[i].materialize(rng, vocab)
                 # The scheduled arrival, not the moment we got round to it: queueing counts.
-                scripted(engine).add_request(f"r{i}-{requests[i].key}", prompt, params, script,
-                                             arrival_time=start + arrivals[i])
+                request = EngineRequest(prompt, params, f"r{i}-{requests[i].key}", arrival_time=start + arrivals[i])
+                scripted(engine).add_request(request, script)
                 nxt += 1
             if engine.has_unfinished_requests():
                 for out in engine.step():

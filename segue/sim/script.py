@@ -8,10 +8,12 @@ finish_request). The engine itself knows nothing of scripts.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
+from segue.engine.engine_request import EngineRequest
 from segue.engine.llm_engine import LLMEngine
 from segue.outputs import RequestOutput
 from segue.request import Request, RequestStatus
@@ -100,14 +102,12 @@ class ScriptedRequests:
         self.engine = engine
         self.trace = TraceReplayer()
 
-    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    script: list[TraceSegment], arrival_time: float | None = None, priority: int = 0,
-                    program_id: str | None = None, tool_parser: Any = None) -> Request:
+    def add_request(self, request: EngineRequest, script: list[TraceSegment]) -> Request:
         """A request that generates, pauses and resumes as `script` says (max_tokens becomes the
         script's total and EOS is ignored)."""
         total = sum(seg.generate_tokens for seg in script)
-        params = SamplingParams(**{**params.__dict__, "max_tokens": total, "ignore_eos": True})
-        state = self.engine.make_request(request_id, prompt, params, arrival_time, priority, program_id, tool_parser)
+        params = SamplingParams(**{**request.params.__dict__, "max_tokens": total, "ignore_eos": True})
+        state = self.engine.make_request(dataclasses.replace(request, params=params))
         # Before the engine adds it: oracle predictions at arrival read the script.
         self.trace.add(state.request.request_id, script)
         return self.engine.add_prepared(state)

@@ -4,6 +4,7 @@ Pure Python with no torch: the engine imports it to intercept tool calls, run th
 """
 from segue.tools.builtin import BUILTINS, DEFAULT_CORPUS_DIR
 from segue.tools.calc import CalculatorError, evaluate
+from segue.tools.call_format import HERMES, ToolCallFormat
 from segue.tools.parser import ToolCallParser
 from segue.tools.registry import RegisteredTool, ToolRegistry, resolve_target
 from segue.tools.runner import ToolRunner, truncate
@@ -11,7 +12,7 @@ from segue.tools.spec import ToolCall, ToolKind, ToolResult, ToolSpec, ToolSpecE
 from segue.tools.stats import DurationStats, DurationSummary
 
 __all__ = [
-    "BUILTINS", "DEFAULT_CORPUS_DIR", "CalculatorError", "DurationStats", "DurationSummary",
-    "RegisteredTool", "ToolCall", "ToolCallParser", "ToolKind", "ToolRegistry", "ToolResult",
+    "BUILTINS", "DEFAULT_CORPUS_DIR", "HERMES", "CalculatorError", "DurationStats", "DurationSummary",
+    "RegisteredTool", "ToolCall", "ToolCallFormat", "ToolCallParser", "ToolKind", "ToolRegistry", "ToolResult",
     "ToolRunner", "ToolSpec", "ToolSpecError", "evaluate", "new_call_id", "resolve_target", "truncate",
 ]

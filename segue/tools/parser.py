@@ -1,6 +1,6 @@
 """Finding tool calls in generated text.
 
-Default format is the Hermes one used by Qwen, SmolLM2 and others:
+Default format is the Hermes one used by Qwen, SmolLM2 and others (call_format.HERMES):
     <tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>
 
 A call ends at the first end marker after its start marker that is not inside a JSON string of
@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from segue.tools.call_format import HERMES, ToolCallFormat
 from segue.tools.spec import ToolCall
 
 
@@ -26,11 +27,17 @@ class _Span:
 
 
 class ToolCallParser:
-    def __init__(self, start: str = "<tool_call>", end: str = "</tool_call>") -> None:
+    """Stateless: one format's markers and the rules above."""
+
+    def __init__(self, start: str = HERMES.start, end: str = HERMES.end) -> None:
         if not start or not end:
             raise ValueError("tool call start and end markers must be non-empty")
         self.start = start
         self.end = end
+
+    @classmethod
+    def for_format(cls, fmt: ToolCallFormat) -> "ToolCallParser":
+        return cls(fmt.start, fmt.end)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -96,6 +103,17 @@ class ToolCallParser:
         pieces.append(text[pos:])
         content = "".join(pieces)
         return (content.strip() if strip else content), calls
+
+    def content(self, text: str) -> str:
+        """The text outside calls, verbatim: find_calls(text, strip=False)'s content, without
+        parsing the calls (for a caller that gets them parsed elsewhere, from the engine)."""
+        pieces: list[str] = []
+        pos = 0
+        for span in self._spans(text):
+            pieces.append(text[pos:span.start])
+            pos = span.end
+        pieces.append(text[pos:])
+        return "".join(pieces)
 
     def has_complete_call(self, text: str, pos: int = 0) -> bool:
         """True once an end marker follows a start marker: the moment to intercept.

@@ -7,6 +7,8 @@ across the replica boundary, KV freed and engine invariants held afterwards, a c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import sys
 from typing import Any, Iterator
 
@@ -23,14 +25,15 @@ from segue.cluster.replica import engine_census
 from segue.cluster.router import LoadReport, PlacementReason
 from segue.config import EngineConfig, ModelLoadConfig
 from segue.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from segue.engine.engine_request import EngineRequest, RequestHints
 from segue.engine.llm_engine import LLMEngine
 from segue.outputs import RequestOutput
 from segue.sampling_params import InvalidRequestError, SamplingParams
 from segue.server.app import create_app
-from segue.tools.spec import ToolCall
+from segue.tools.call_format import HERMES
 from server_helpers import ServerThread
 
-# Ray actors unpickle this module's parser class by value: tests are not importable there.
+# Ray actors unpickle this module's functions and classes by value: tests are not importable there.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -39,22 +42,30 @@ PROMPTS = [SYSTEM + "Question one?", "Unrelated text about boats and rivers.", S
            "A third, distinct request."]
 
 
-class PauseOnce:
-    """A tool parser that reports a call as soon as any text exists, while armed: it disarms when the
-    engine takes the calls, and the test re-arms it for the next turn."""
+class WritesCalls:
+    """A replica's model, except that request `rid` writes the token ids `call` (a Hermes tool call)
+    over and over for its first `calls` calls: the tiny random model writes none of its own. The
+    engine's parser, built from the request's tool format, finds each one and pauses there."""
 
-    def __init__(self) -> None:
-        self.armed = True
+    def __init__(self, engine: LLMEngine, rid: str, call: list[int], calls: int) -> None:
+        self.real = engine.executor.execute
+        self.rid, self.call, self.calls = rid, call, calls
 
-    def arm(self, armed: bool) -> None:
-        self.armed = armed
+    def execute(self, out: Any) -> Any:
+        sampled = self.real(out)
+        for seq in out.seqs:
+            n = seq.request.num_generated_tokens  # the tokens it wrote before this one
+            if seq.sample and seq.request.request_id == self.rid and n < self.calls * len(self.call):
+                sampled[self.rid] = dataclasses.replace(sampled[self.rid], token_id=self.call[n % len(self.call)])
+        return sampled
 
-    def has_complete_call(self, text: str, pos: int = 0) -> bool:
-        return self.armed and bool(text)
 
-    def find_calls(self, text: str, *, strip: bool = True) -> tuple[str, list[ToolCall]]:
-        self.armed = False
-        return text, [ToolCall("lookup", {})]
+def install_calls(engine: LLMEngine, rid: str, call: list[int], calls: int) -> None:
+    engine.executor.execute = WritesCalls(engine, rid, call, calls).execute  # type: ignore[method-assign]
+
+
+def uninstall_calls(engine: LLMEngine) -> None:
+    del engine.executor.execute  # the executor's own method again
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +80,7 @@ def reference(config: EngineConfig) -> dict[str, list[int]]:
     async def run() -> dict[str, list[int]]:
         engine = AsyncLLMEngine.from_config(config)
         try:
-            return {p: (await collect(engine.generate(p, SamplingParams(max_tokens=12, **GREEDY))))[-1]
+            return {p: (await collect(engine.generate(EngineRequest(p, SamplingParams(max_tokens=12, **GREEDY)))))[-1]
                     .outputs[0].token_ids for p in PROMPTS}
         finally:
             await engine.shutdown()
@@ -98,7 +109,8 @@ async def run_one(pool: EnginePool, prompt: str | list[int], rid: str, max_token
                   **hints: Any) -> tuple[int, RequestOutput]:
     """(replica that served it, final output)."""
     owner, last = -1, None
-    async for out in pool.generate(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), rid, **hints):
+    request = EngineRequest(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), rid, hints=RequestHints(**hints))
+    async for out in pool.generate(request):
         last = out
         if owner < 0:
             owner = pool.owner_of(rid)
@@ -182,7 +194,8 @@ def test_prefix_sharing_pair_lands_together(pool: EnginePool) -> None:
 def test_abort_frees_kv_on_the_replica(pool: EnginePool) -> None:
     async def run() -> RequestOutput:
         outputs = []
-        async for out in pool.generate(SYSTEM + "Go on and on.", SamplingParams(max_tokens=400, **GREEDY), "ab-1"):
+        async for out in pool.generate(EngineRequest(SYSTEM + "Go on and on.", SamplingParams(max_tokens=400, **GREEDY),
+                                                     "ab-1")):
             outputs.append(out)
             if len(outputs) == 2:
                 pool.abort("ab-1")
@@ -193,7 +206,7 @@ def test_abort_frees_kv_on_the_replica(pool: EnginePool) -> None:
     assert_idle(pool)
 
     async def leave_early() -> None:  # a client that disconnects: closing the stream aborts
-        gen = pool.generate("Another long one.", SamplingParams(max_tokens=400, **GREEDY), "ab-2")
+        gen = pool.generate(EngineRequest("Another long one.", SamplingParams(max_tokens=400, **GREEDY), "ab-2"))
         await gen.__anext__()
         await gen.aclose()
         await asyncio.sleep(0.2)  # the replica delivers the aborted output to this loop: keep it open
@@ -211,7 +224,8 @@ def test_objective_updates_reach_the_replica(pool: EnginePool) -> None:
     async def run() -> list[bool]:
         seen = []
         pool.set_latency_sensitive("obj-1", False)  # before the request exists
-        async for _ in pool.generate(SYSTEM + "Go on and on.", SamplingParams(max_tokens=400, **GREEDY), "obj-1"):
+        async for _ in pool.generate(EngineRequest(SYSTEM + "Go on and on.", SamplingParams(max_tokens=400, **GREEDY),
+                                                   "obj-1")):
             if not seen:
                 seen.append(await pool.run_sync(_latency_sensitive("obj-1"), request_id="obj-1"))
                 pool.set_latency_sensitive("obj-1", True)
@@ -226,37 +240,42 @@ def test_objective_updates_reach_the_replica(pool: EnginePool) -> None:
 
 
 def test_detached_request_continues_on_its_replica(pool: EnginePool) -> None:
-    parser = PauseOnce()
+    call = pool.encode('<tool_call>{"name": "lookup", "arguments": {}}</tool_call>')
+    asyncio.run(pool.run_sync(functools.partial(install_calls, rid="d-1", call=call, calls=2)))
 
     async def first_turn() -> RequestOutput:
-        async for out in pool.generate("Call a tool, please.", SamplingParams(max_tokens=8, **GREEDY), "d-1",
-                                       tool_parser=parser):
+        request = EngineRequest("Call a tool, please.", SamplingParams(max_tokens=len(call) + 8, **GREEDY), "d-1",
+                                tool_format=HERMES)
+        async for out in pool.generate(request):
             if out.paused:
                 pool.detach("d-1")  # what the server does when a turn ends on client-side tool calls
                 return out
         raise AssertionError("the request never paused")
-    paused = asyncio.run(first_turn())
-    assert paused.outputs[0].tool_calls[0].name == "lookup"
-    home = pool.owner_of("d-1")
-    assert census(pool)[home]["paused"] == 1  # held on its replica, with its KV policy
+    try:
+        paused = asyncio.run(first_turn())
+        assert paused.outputs[0].tool_calls[0].name == "lookup"
+        home = pool.owner_of("d-1")
+        assert census(pool)[home]["paused"] == 1  # held on its replica, with its KV policy
 
-    async def next_turn(armed: bool) -> RequestOutput:
-        parser.arm(armed)  # as the server re-arms its parser before continuing a session
-        async for out in pool.continue_request("d-1", [11, 12, 13], SamplingParams(max_tokens=3, **GREEDY)):
-            if out.paused:
-                pool.detach("d-1")
-                return out
-        return out
-    again = asyncio.run(next_turn(True))
-    assert again.paused and not again.finished and pool.owner_of("d-1") == home
-    with pytest.raises(InvalidRequestError):
-        asyncio.run(collect(pool.continue_request("nope", [1], None)))
-    final = asyncio.run(next_turn(False))
-    assert final.finished and final.outputs[0].finish_reason == "length"
-    ids = final.outputs[0].token_ids
-    assert sum(ids[i:i + 3] == [11, 12, 13] for i in range(len(ids))) == 2  # both turns' inputs joined its context
-    assert pool.owner_of("d-1") is None
-    assert_idle(pool)
+        async def next_turn(max_tokens: int) -> RequestOutput:
+            params = SamplingParams(max_tokens=max_tokens, **GREEDY)
+            async for out in pool.continue_request("d-1", [11, 12, 13], params):
+                if out.paused:
+                    pool.detach("d-1")
+                    return out
+            return out
+        again = asyncio.run(next_turn(len(call) + 8))  # writes its second call
+        assert again.paused and not again.finished and pool.owner_of("d-1") == home
+        with pytest.raises(InvalidRequestError):
+            asyncio.run(collect(pool.continue_request("nope", [1], None)))
+        final = asyncio.run(next_turn(3))  # the model's own tokens: no call
+        assert final.finished and final.outputs[0].finish_reason == "length"
+        ids = final.outputs[0].token_ids
+        assert sum(ids[i:i + 3] == [11, 12, 13] for i in range(len(ids))) == 2  # both turns' inputs joined its context
+        assert pool.owner_of("d-1") is None
+        assert_idle(pool)
+    finally:
+        asyncio.run(pool.run_sync(uninstall_calls))
 
 
 def test_server_over_the_pool(pool: EnginePool) -> None:

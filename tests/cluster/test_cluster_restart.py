@@ -31,6 +31,7 @@ from segue.cluster.replica import engine_census
 from segue.cluster.router import LoadReport, PlacementReason
 from segue.config import EngineConfig, ModelLoadConfig
 from segue.engine.async_engine import EngineDeadError
+from segue.engine.engine_request import EngineRequest, RequestHints
 from segue.engine.llm_engine import LLMEngine
 from segue.outputs import RequestOutput
 from segue.sampling_params import SamplingParams
@@ -110,7 +111,8 @@ def test_killed_replica_restarts_and_forgets_its_cache(pool: EnginePool) -> None
 
     async def crash_in_flight() -> None:
         # sess-Q is bound to home; its process dies after the first output.
-        gen = pool.generate("Keep talking.", SamplingParams(max_tokens=400, **GREEDY), "r-3", program_id="sess-Q")
+        gen = pool.generate(EngineRequest("Keep talking.", SamplingParams(max_tokens=400, **GREEDY), "r-3",
+                                          hints=RequestHints(program_id="sess-Q")))
         first = await gen.__anext__()
         assert not first.finished and pool.owner_of("r-3") == home
         os.kill(pid, signal.SIGKILL)

@@ -18,6 +18,7 @@ import torch
 
 from conftest import make_tiny_checkpoint
 from engine_helpers import make_engine
+from segue.engine.engine_request import EngineRequest
 from segue.sampling_params import SamplingParams
 
 ROUNDS = 3
@@ -66,7 +67,7 @@ def run(engine: Any, arrivals: list[tuple[int, str, list[int]]]) -> LogitsTap:
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][0] <= step:
             _, rid, prompt = pending.pop(0)
-            engine.add_request(rid, prompt, PARAMS)
+            engine.add_request(EngineRequest(prompt, PARAMS, rid))
         engine.step()
         step += 1
         assert step < 10_000, "engine made no progress"
@@ -89,8 +90,8 @@ def scatter_pool(engine: Any, rng: random.Random) -> None:
     ids: list[str] = []
     while engine.scheduler.kv.num_free_blocks > 2 and len(ids) < 100:
         ids.append(f"filler{len(ids)}")
-        engine.add_request(ids[-1], prompt(rng, rng.randint(8, 100)),
-                           SamplingParams(temperature=0.0, max_tokens=1_000, ignore_eos=True))
+        engine.add_request(EngineRequest(prompt(rng, rng.randint(8, 100)),
+                                         SamplingParams(temperature=0.0, max_tokens=1_000, ignore_eos=True), ids[-1]))
         engine.step()
     rng.shuffle(ids)
     for rid in ids:

@@ -6,6 +6,7 @@ import torch
 
 from engine_helpers import hf_greedy, run_to_completion
 from segue.bench.throughput import build_hf_model
+from segue.engine.engine_request import EngineRequest
 from segue.engine.llm import LLM
 from segue.model.loader import load_checkpoint
 from segue.sampling_params import SamplingParams
@@ -32,7 +33,7 @@ def test_greedy_matches_transformers_token_for_token(llm):
     questions = ["Write a haiku about the sea.", "List three prime numbers.", "Who wrote Hamlet?"]
     prompts = [engine.encode(engine.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    ids = [engine.add_request(None, p, params).request_id for p in prompts]
+    ids = [engine.add_request(EngineRequest(p, params)).request_id for p in prompts]
     results = run_to_completion(engine)
     for rid, prompt in zip(ids, prompts, strict=True):
         assert results[rid].outputs[0].token_ids == hf_greedy(model, prompt, 24)
@@ -48,10 +49,10 @@ def test_batch_invariant_output_does_not_depend_on_the_batch():
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     alone = []
     for p in prompts:
-        rid = engine.add_request(None, p, params).request_id
+        rid = engine.add_request(EngineRequest(p, params)).request_id
         alone.append(run_to_completion(engine)[rid].outputs[0].token_ids)
     filler = [engine.encode(engine.apply_chat_template([{"role": "user", "content": f"Count to {i}."}]))
               for i in range(40)]
-    ids = [engine.add_request(None, p, params).request_id for p in prompts + filler]
+    ids = [engine.add_request(EngineRequest(p, params)).request_id for p in prompts + filler]
     results = run_to_completion(engine)
     assert [results[rid].outputs[0].token_ids for rid in ids[:len(prompts)]] == alone

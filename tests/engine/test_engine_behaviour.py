@@ -6,6 +6,7 @@ import pytest
 from conftest import make_tiny_checkpoint
 from engine_helpers import run_to_completion
 from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+from segue.engine.engine_request import EngineRequest
 from segue.engine.llm import LLM
 from segue.engine.llm_engine import LLMEngine
 from segue.model.loader import CheckpointError
@@ -45,22 +46,24 @@ def test_bad_sampling_values_are_rejected(kwargs):
 
 
 def test_bad_requests_fail_alone_and_the_engine_keeps_serving(engine):
-    good = engine.add_request("good", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    good = engine.add_request(EngineRequest([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                                            "good"))
     with pytest.raises(InvalidRequestError, match="context window"):
-        engine.add_request("long", list(range(100, 100 + engine.max_model_len)), SamplingParams())
+        engine.add_request(EngineRequest(list(range(100, 100 + engine.max_model_len)), SamplingParams(), "long"))
     with pytest.raises(InvalidRequestError, match="empty"):
-        engine.add_request("empty", [], SamplingParams())
+        engine.add_request(EngineRequest([], SamplingParams(), "empty"))
     with pytest.raises(InvalidRequestError, match="token ids"):
-        engine.add_request("oov", [10**9], SamplingParams())
+        engine.add_request(EngineRequest([10**9], SamplingParams(), "oov"))
     with pytest.raises(InvalidRequestError, match="already in use"):
-        engine.add_request("good", [1, 2], SamplingParams())
+        engine.add_request(EngineRequest([1, 2], SamplingParams(), "good"))
     results = run_to_completion(engine)
     assert list(results) == ["good"] and len(good.output_token_ids) == 5
 
 
 def test_abort_frees_everything_mid_generation(engine):
     for i in range(6):
-        engine.add_request(f"r{i}", list(range(50 + i, 90 + i)), SamplingParams(max_tokens=40, ignore_eos=True))
+        engine.add_request(EngineRequest(list(range(50 + i, 90 + i)), SamplingParams(max_tokens=40, ignore_eos=True),
+                                         f"r{i}"))
     for _ in range(15):
         engine.step()
         engine.check_invariants()
@@ -74,14 +77,14 @@ def test_abort_frees_everything_mid_generation(engine):
 
 
 def test_executor_failure_fails_the_batch_not_the_engine(engine, monkeypatch):
-    engine.add_request("doomed", [1, 2, 3], SamplingParams(max_tokens=4))
+    engine.add_request(EngineRequest([1, 2, 3], SamplingParams(max_tokens=4), "doomed"))
     real = engine.executor.execute
     monkeypatch.setattr(engine.executor, "execute", lambda out: (_ for _ in ()).throw(RuntimeError("boom")))
     outs = engine.step()
     assert [o.outputs[0].finish_reason for o in outs] == ["abort"]
     engine.check_invariants()
     monkeypatch.setattr(engine.executor, "execute", real)
-    engine.add_request("after", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request(EngineRequest([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), "after"))
     assert len(run_to_completion(engine)["after"].outputs[0].token_ids) == 4
 
 
@@ -109,7 +112,7 @@ def test_seeded_sampling_is_reproducible_and_logprobs_are_reported(engine):
     a = run_to_completion_single(engine, params)
     # Same seed inside a busy batch gives the same tokens.
     for i in range(3):
-        engine.add_request(f"noise{i}", [7 + i, 8, 9], SamplingParams(temperature=1.0, max_tokens=8))
+        engine.add_request(EngineRequest([7 + i, 8, 9], SamplingParams(temperature=1.0, max_tokens=8), f"noise{i}"))
     b = run_to_completion_single(engine, params)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     lps = a.outputs[0].logprobs
@@ -118,5 +121,5 @@ def test_seeded_sampling_is_reproducible_and_logprobs_are_reported(engine):
 
 
 def run_to_completion_single(engine, params):
-    rid = engine.add_request(None, [11, 12, 13, 14, 15], params).request_id
+    rid = engine.add_request(EngineRequest([11, 12, 13, 14, 15], params)).request_id
     return run_to_completion(engine)[rid]

@@ -1,15 +1,20 @@
 """The EngineClient seam: both implementations offer every method of the protocol, with its
-parameters, and a pool's stats are its replicas' merged field by field."""
+parameters; a new request crosses it as one picklable EngineRequest; a pool's stats are its
+replicas' merged field by field."""
 from __future__ import annotations
 
 import inspect
+import pickle
 
 import pytest
 
 from segue.cluster.pool import EnginePool
 from segue.engine.async_engine import AsyncLLMEngine
+from segue.engine.engine_request import EngineRequest, RequestHints
 from segue.engine.protocol import EngineClient
 from segue.engine.stats import AccuracySnapshot, DurationSummary, EngineStats, PausedKV
+from segue.sampling_params import SamplingParams
+from segue.tools.call_format import HERMES, ToolCallFormat
 
 
 def _members(cls: type) -> list[str]:
@@ -27,6 +32,17 @@ def test_implements_every_method_with_its_parameters(impl: type) -> None:
         w, g = inspect.signature(wanted), inspect.signature(got)
         assert list(w.parameters) == list(g.parameters), f"{impl.__name__}.{name}{g} is not EngineClient.{name}{w}"
         assert inspect.iscoroutinefunction(wanted) == inspect.iscoroutinefunction(got), f"{name}: async or not"
+
+
+def test_a_request_crosses_the_seam_as_one_value() -> None:
+    """generate takes one EngineRequest; it pickles (a Ray replica receives it) with its hints and
+    its tool-call format by value: no parser object crosses the seam."""
+    assert list(inspect.signature(EngineClient.generate).parameters) == ["self", "request"]
+    request = EngineRequest([1, 2, 3], SamplingParams(max_tokens=4), "r-1",
+                            hints=RequestHints(priority=2, program_id="p", task_group="g"), tool_format=HERMES)
+    assert pickle.loads(pickle.dumps(request)) == request
+    assert request.tool_format == ToolCallFormat("<tool_call>", "</tool_call>")
+    assert EngineRequest("hi", SamplingParams()).hints == RequestHints()
 
 
 def test_stats_merge_field_by_field() -> None:

@@ -12,6 +12,7 @@ import transformers
 import engine_helpers
 from conftest import make_tiny_checkpoint
 from engine_helpers import hf_greedy, run_to_completion
+from segue.engine.engine_request import EngineRequest
 from segue.engine.llm_engine import LLMEngine
 from segue.sampling_params import SamplingParams
 
@@ -37,7 +38,7 @@ def prompts(seed: int, n: int, shared_prefix: int = 0) -> list[list[int]]:
 
 def check_against_hf(engine: LLMEngine, model, batch: list[list[int]]) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    ids = [engine.add_request(None, p, params).request_id for p in batch]
+    ids = [engine.add_request(EngineRequest(p, params)).request_id for p in batch]
     results = run_to_completion(engine)
     for rid, prompt in zip(ids, batch, strict=True):
         assert results[rid].outputs[0].token_ids == hf_greedy(model, prompt, MAX_NEW), f"prompt of {len(prompt)} tokens"

@@ -13,6 +13,7 @@ import engine_helpers
 from conftest import make_tiny_checkpoint
 from engine_helpers import hf_greedy, run_to_completion
 from segue.config import CacheConfig, EngineConfig
+from segue.engine.engine_request import EngineRequest
 from segue.sampling_params import SamplingParams
 from segue.sched.interception import INTERCEPTION_POLICIES
 from segue.sim.script import scripted
@@ -56,7 +57,8 @@ def test_pause_resume_equals_uninterrupted_generation(tiny, policy):
     path, model = tiny
     engine = make_engine(path, policy=policy)
     batch = list(scripts(7, 5))
-    ids = [scripted(engine).add_request(None, p, SamplingParams(temperature=0), script=s).request_id for p, s in batch]
+    ids = [scripted(engine).add_request(EngineRequest(p, SamplingParams(temperature=0)), s).request_id
+           for p, s in batch]
     results = run_to_completion(engine)
     for rid, (prompt, script) in zip(ids, batch, strict=True):
         assert results[rid].outputs[0].token_ids == reference(model, prompt, script), policy
@@ -79,7 +81,7 @@ def test_dispositions_really_happen(tiny):
             return execute(out)
         engine.executor.execute = counting
         for prompt, script in scripts(3, 3):
-            scripted(engine).add_request(None, prompt, SamplingParams(temperature=0), script=script)
+            scripted(engine).add_request(EngineRequest(prompt, SamplingParams(temperature=0)), script)
         run_to_completion(engine)
         seen[policy] = (copies, engine.waste.totals)
     # Coming back, a block the device cache still holds is shared again instead of copied.
@@ -97,7 +99,7 @@ def test_cut_context_then_resume_equals_generation_over_the_new_context(tiny, po
     path, model = tiny
     engine = make_engine(path, policy=policy)
     prompt = list(range(1000, 1030))
-    engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    engine.add_request(EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), "a"))
     req = engine.scheduler.requests["a"]
     while req.num_generated_tokens < 9:
         engine.step()
@@ -124,8 +126,8 @@ def test_abort_while_paused_and_while_swapped_frees_everything(tiny):
     prompt = list(range(1000, 1030))
     greedy = SamplingParams(temperature=0)
     scripts = scripted(engine)
-    scripts.add_request("a", prompt, greedy, script=[TraceSegment(2, 10.0, [5, 6]), TraceSegment(3)])
-    scripts.add_request("b", prompt[::-1], greedy, script=[TraceSegment(2, 10.0, [7]), TraceSegment(3)])
+    scripts.add_request(EngineRequest(prompt, greedy, "a"), [TraceSegment(2, 10.0, [5, 6]), TraceSegment(3)])
+    scripts.add_request(EngineRequest(prompt[::-1], greedy, "b"), [TraceSegment(2, 10.0, [7]), TraceSegment(3)])
     while engine.scheduler.paused.paused.keys() != {"a", "b"}:
         engine.step()
         engine.check_invariants()
@@ -144,9 +146,10 @@ def test_abort_while_paused_and_while_swapped_frees_everything(tiny):
 def test_script_that_outgrows_the_context_ends_alone(tiny):
     path, _ = tiny
     engine = make_engine(path, policy="preserve")  # tiny model: 512-token context
-    engine.add_request("plain", list(range(1000, 1010)), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    scripted(engine).add_request("r", [1000] * 400, SamplingParams(temperature=0),
-                                 script=[TraceSegment(10, 0.0, [2000] * 200, kind="tool"), TraceSegment(5)])
+    engine.add_request(EngineRequest(list(range(1000, 1010)),
+                                     SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), "plain"))
+    scripted(engine).add_request(EngineRequest([1000] * 400, SamplingParams(temperature=0), "r"),
+                                 [TraceSegment(10, 0.0, [2000] * 200, kind="tool"), TraceSegment(5)])
     results = run_to_completion(engine)
     assert results["r"].outputs[0].finish_reason == "length"
     assert results["plain"].outputs[0].finish_reason == "length"
@@ -159,8 +162,8 @@ def test_host_tier_hit_loads_real_kv(tiny):
     path, model = tiny
     engine = make_engine(path, policy="swap")
     prompt = list(range(2000, 2030))
-    scripted(engine).add_request("a", prompt, SamplingParams(temperature=0),
-                                 script=[TraceSegment(3, 60.0, [7]), TraceSegment(2)])
+    scripted(engine).add_request(EngineRequest(prompt, SamplingParams(temperature=0), "a"),
+                                 [TraceSegment(3, 60.0, [7]), TraceSegment(2)])
     kv = engine.scheduler.kv
     for _ in range(50):
         engine.step()
@@ -177,7 +180,7 @@ def test_host_tier_hit_loads_real_kv(tiny):
         return execute(out)
     engine.executor.execute = counting
     longer = prompt + [5, 6, 7]
-    b = engine.add_request("b", longer, SamplingParams(temperature=0, max_tokens=6))
+    b = engine.add_request(EngineRequest(longer, SamplingParams(temperature=0, max_tokens=6), "b"))
     while not b.is_finished:
         engine.step()
         engine.check_invariants()
@@ -194,7 +197,7 @@ def test_pause_hints_through_the_engine():
     from segue.sim.engine import make_sim_engine
     engine = make_sim_engine(CostModel(), 1024, EngineConfig(cache=CacheConfig(block_size=16)))
     prompt = list(range(100, 140))
-    engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=8))
+    engine.add_request(EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=8), "a"))
     while not engine.scheduler.requests["a"].output_token_ids:
         engine.step()
     assert engine.paused_token_ids("a") is None and not engine.expect_resume("a", 3.0)

@@ -15,6 +15,7 @@ import transformers
 from conftest import make_tiny_checkpoint
 from engine_helpers import run_to_completion
 from segue.config import CacheConfig, ConfigError, EngineConfig, ModelLoadConfig, PredictorConfig, SchedulerConfig
+from segue.engine.engine_request import EngineRequest
 from segue.engine.llm_engine import LLMEngine
 from segue.predict import (
     OUTPUT_HIDDEN,
@@ -246,7 +247,7 @@ def test_engine_predicts_learns_and_scores(ckpt: Any) -> None:
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     script = [TraceSegment(4, 0.005, [5, 6, 7], "search"), TraceSegment(3)]
     for i in range(6):
-        scripted(engine).add_request(f"a{i}", list(range(10, 20 + 3 * i)), params, script=script)
+        scripted(engine).add_request(EngineRequest(list(range(10, 20 + 3 * i)), params, f"a{i}"), script)
     run_to_completion(engine)
     snap = engine.predictors.snapshot()
     # The six first segments ran before anything was learned; their second segments were predicted.
@@ -257,7 +258,7 @@ def test_engine_predicts_learns_and_scores(ckpt: Any) -> None:
     assert engine.predictors.output_hidden.num_observed == 12
     assert engine.predictors.num_tracked == 0
 
-    req = scripted(engine).add_request("b", list(range(10, 25)), params, script=script)
+    req = scripted(engine).add_request(EngineRequest(list(range(10, 25)), params, "b"), script)
     assert req.predicted_output_tokens == pytest.approx(4, abs=1)  # first segments were 4 tokens
     assert req.predicted_interception_s is not None and req.predicted_interception_s >= 0.005
     engine.step()  # the prefill: the hidden-state regressor refines the guess
@@ -290,7 +291,7 @@ def test_hidden_state_is_the_models_final_norm_output(ckpt: Any) -> None:
 
     engine.executor.execute = execute  # type: ignore[method-assign]
     prompt = [5, 17, 99, 123, 8, 64, 3]
-    engine.add_request("h", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request(EngineRequest(prompt, SamplingParams(max_tokens=3, ignore_eos=True), "h"))
     run_to_completion(engine)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), torch_dtype=torch.float32).eval()
     with torch.no_grad():
@@ -306,7 +307,7 @@ def test_prompt_source_and_disabled_engine_never_ask_for_hidden_states(ckpt: Any
         engine = _engine(ckpt, **kwargs)
         assert not engine.predictors.use_hidden
         for i in range(3):
-            engine.add_request(f"p{i}", [4, 5, 6, 7 + i], SamplingParams(max_tokens=2, ignore_eos=True))
+            engine.add_request(EngineRequest([4, 5, 6, 7 + i], SamplingParams(max_tokens=2, ignore_eos=True), f"p{i}"))
         run_to_completion(engine)
         assert engine.predictors.output_hidden.num_observed == 0
         expected = 0 if kwargs.get("enabled") is False else 3

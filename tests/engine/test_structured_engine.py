@@ -12,11 +12,12 @@ import pytest
 from conftest import default_tokenizer, make_tiny_checkpoint
 from engine_helpers import OpensCalls
 from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+from segue.engine.engine_request import EngineRequest
 from segue.engine.llm_engine import LLMEngine
 from segue.sampling_params import SamplingParams
 from segue.structured import StructuredSpec
 from segue.structured.tool_grammar import forced_grammar
-from segue.tools.parser import ToolCallParser
+from segue.tools.call_format import HERMES
 
 LIGHT = {"type": "object", "properties": {"on": {"type": "boolean"},
                                           "level": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -41,7 +42,8 @@ def make(ckpt: pathlib.Path, kv_tokens: int, batched: int, agent_retention: bool
 
 def run(engine: LLMEngine, prompts: list[list[int]], spec: StructuredSpec) -> dict[str, str]:
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=40, structured=spec))
+        params = SamplingParams(temperature=1.0, seed=i, max_tokens=40, structured=spec)
+        engine.add_request(EngineRequest(prompt, params, f"r{i}"))
     texts = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -75,9 +77,9 @@ def test_every_resume_keeps_the_constraint_for_three_rounds(ckpt: pathlib.Path) 
     # grammar: a random model writes a valid call only if every segment is constrained.
     OpensCalls(engine, tok.encode("<tool_call>", add_special_tokens=False))
     spec = forced_grammar(TOOLS)
-    engine.add_request("a", tok.encode("Lights!", add_special_tokens=False),
-                       SamplingParams(temperature=1.0, seed=1, max_tokens=400, structured=spec),
-                       tool_parser=ToolCallParser())
+    engine.add_request(EngineRequest(tok.encode("Lights!", add_special_tokens=False),
+                                     SamplingParams(temperature=1.0, seed=1, max_tokens=400, structured=spec), "a",
+                                     tool_format=HERMES))
     req = engine.scheduler.requests["a"]
     result = tok.encode("<|im_end|>\n<|im_start|>tool\nok<|im_end|>\n<|im_start|>assistant\n",
                         add_special_tokens=False)

@@ -13,10 +13,12 @@ import engine_helpers
 from conftest import make_tiny_checkpoint
 from engine_helpers import run_to_completion
 from segue.engine.async_engine import AsyncLLMEngine
+from segue.engine.engine_request import EngineRequest
 from segue.engine.llm_engine import LLMEngine
 from segue.executor.base import SampledToken
 from segue.sampling_params import SamplingParams
 from segue.structured import StructuredSpec
+from segue.tools.call_format import HERMES
 from segue.tools.parser import ToolCallParser
 
 
@@ -51,8 +53,8 @@ def test_tool_call_pauses_and_resume_continues(ckpt):
     answer = "The answer is 5."
     eos = engine.model_config.eos_token_ids[0]
     engine.executor.execute = ScriptedModel(engine, engine.encode(call) + engine.encode(answer) + [eos])
-    rid = engine.add_request(None, engine.encode("What is 2+3?"), SamplingParams(max_tokens=100),
-                             tool_parser=ToolCallParser()).request_id
+    rid = engine.add_request(EngineRequest(engine.encode("What is 2+3?"), SamplingParams(max_tokens=100),
+                                           tool_format=HERMES)).request_id
     paused = None
     while paused is None:
         for out in engine.step():
@@ -84,8 +86,8 @@ def test_async_engine_detach_and_continue(ckpt):
     aengine = AsyncLLMEngine(engine)
 
     async def scenario():
-        gen = aengine.generate(engine.encode("hi there"), SamplingParams(max_tokens=50),
-                               tool_parser=ToolCallParser())
+        gen = aengine.generate(EngineRequest(engine.encode("hi there"), SamplingParams(max_tokens=50),
+                                             tool_format=HERMES))
         async for out in gen:
             if out.paused:
                 aengine.detach(out.request_id)
@@ -111,7 +113,7 @@ def test_an_end_marker_inside_a_json_string_does_not_end_the_call(ckpt):
     engine.executor.execute = ScriptedModel(engine, engine.encode(call + " after") + [eos])
     parser = ToolCallParser()
     assert not parser.has_complete_call(call[:call.index("</tool_call>") + len("</tool_call>")])
-    engine.add_request("r", engine.encode("Echo it"), SamplingParams(max_tokens=100), tool_parser=parser)
+    engine.add_request(EngineRequest(engine.encode("Echo it"), SamplingParams(max_tokens=100), "r", tool_format=HERMES))
     paused = None
     while paused is None:
         paused = next((o for o in engine.step() if o.paused), None)
@@ -141,7 +143,7 @@ def test_resume_with_a_new_constraint_compiles_off_the_engine_thread(ckpt):
 
     async def scenario():
         params = SamplingParams(max_tokens=50, pause_on_stop=True)
-        gen = aengine.generate(engine.encode("hi"), params, request_id="s")
+        gen = aengine.generate(EngineRequest(engine.encode("hi"), params, "s"))
         async for out in gen:
             if out.paused:
                 aengine.detach("s")

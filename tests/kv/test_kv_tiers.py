@@ -12,6 +12,7 @@ import pytest
 
 from fake_executor import FakeKVExecutor
 from segue.config import CacheConfig, EngineConfig, SchedulerConfig
+from segue.engine.engine_request import EngineRequest
 from segue.kv.block_pool import BlockPool
 from segue.kv.manager import KVCacheManager
 from segue.request import Disposition, Request, RequestStatus
@@ -228,8 +229,9 @@ def test_agents_sharing_a_system_prompt_in_the_simulator(policy, order):
     for a in range(10):
         script = [TraceSegment(8, rng.uniform(0.5, 3.0), [rng.randrange(1000, 40000) for _ in range(60)], kind="tool")
                   for _ in range(rng.randint(2, 4))] + [TraceSegment(8, 20.0, [1]), TraceSegment(1)]
-        scripted(engine).add_request(f"a{a}", system + [rng.randrange(1000, 40000) for _ in range(30)],
-                                     SamplingParams(temperature=0), script, arrival_time=engine.clock() + a * 0.3)
+        scripted(engine).add_request(EngineRequest(system + [rng.randrange(1000, 40000) for _ in range(30)],
+                                                   SamplingParams(temperature=0), f"a{a}",
+                                                   arrival_time=engine.clock() + a * 0.3), script)
     for _ in range(200_000):
         if not engine.has_unfinished_requests():
             break

@@ -11,6 +11,7 @@ import transformers
 
 from conftest import make_tiny_checkpoint
 from engine_helpers import hf_greedy, make_engine, run_to_completion
+from segue.engine.engine_request import EngineRequest
 from segue.model import fused_ops
 from segue.model.cpu_kernels import load_cpu_kernels
 from segue.model.fused_ops import FusedOps
@@ -81,7 +82,7 @@ def test_engine_with_torch_forms_equals_transformers(tmp_path):
     engine.executor.model.ops = FusedOps(KERNELS, {op: {1: "torch"} for op in fused_ops.OPS})
     prompts = [[100 + 7 * i + j for j in range(n)] for i, n in enumerate((5, 40, 70))]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    ids = [engine.add_request(None, p, params).request_id for p in prompts]
+    ids = [engine.add_request(EngineRequest(p, params)).request_id for p in prompts]
     results = run_to_completion(engine)
     greedy = functools.partial(hf_greedy, model, max_new_tokens=8)
     for rid, prompt in zip(ids, prompts, strict=True):

@@ -26,6 +26,7 @@ from quality_helpers import (
     windows,
 )
 from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+from segue.engine.engine_request import EngineRequest
 from segue.engine.llm_engine import LLMEngine
 from segue.executor.kernel_plan import lossless_formats
 from segue.model.attention_backends import AttentionBackend
@@ -264,7 +265,7 @@ def test_engine_bf16_kv_cache_holds_twice_the_tokens(tiny):
     assert bf16.executor.kv_cache.k.dtype == torch.bfloat16
     assert bf16.executor.num_device_blocks == 2 * fp32.executor.num_device_blocks
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    ids = [bf16.add_request(None, [101 + i, 202, 303 + i], params).request_id for i in range(3)]
+    ids = [bf16.add_request(EngineRequest([101 + i, 202, 303 + i], params)).request_id for i in range(3)]
     results = run_to_completion(bf16)
     assert all(len(results[r].outputs[0].token_ids) == 12 for r in ids)
 
@@ -287,7 +288,7 @@ def test_engine_runs_quantized(tiny, quantization):
     engine = LLMEngine(config)
     assert engine.executor.quantization.value == quantization
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    ids = [engine.add_request(None, [101 + i, 202, 303 + i], params).request_id for i in range(3)]
+    ids = [engine.add_request(EngineRequest([101 + i, 202, 303 + i], params)).request_id for i in range(3)]
     results = run_to_completion(engine)
     assert all(len(results[r].outputs[0].token_ids) == 10 for r in ids)
 
@@ -308,7 +309,7 @@ def test_cuda_engine_agrees_with_cpu_fp32(tiny, quantization):
     config = EngineConfig(model=ModelLoadConfig(model=str(tiny), device="cuda", quantization=quantization))
     engine = LLMEngine(config)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    rid = engine.add_request(None, prompts[0], params).request_id
+    rid = engine.add_request(EngineRequest(prompts[0], params)).request_id
     assert len(run_to_completion(engine)[rid].outputs[0].token_ids) == 8
 
 

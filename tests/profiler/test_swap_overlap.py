@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from segue.config import CacheConfig, EngineConfig, ModelLoadConfig
+from segue.engine.engine_request import EngineRequest
 from segue.engine.llm_engine import LLMEngine
 from segue.profiler.overlap import OverlapProfile, measure_swap_overlap
 from segue.sched.cost_model import CostModel, mean_cost_model
@@ -65,7 +66,8 @@ def test_the_engine_compares_its_steps_with_the_cost_model(tmp_path) -> None:
         return inner(out)
 
     engine.executor.execute = execute
-    engine.add_request("acct", list(range(5, 40)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.add_request(EngineRequest(list(range(5, 40)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                                     "acct"))
     while engine.has_unfinished_requests():
         engine.step()
     stats = engine.stats()

@@ -289,9 +289,9 @@ def test_program_ids_are_scoped_to_the_api_key(http: httpx.Client, server: Serve
     seen: list[str | None] = []
     generate = engine.generate
 
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs.get("program_id"))
-        return generate(*args, **kwargs)
+    def recording(request: Any) -> Any:
+        seen.append(request.hints.program_id)
+        return generate(request)
 
     monkeypatch.setattr(engine, "generate", recording)
     pid = _program(http)
@@ -402,9 +402,10 @@ class _HoldingEngine:
         self.sent: dict[str, bool] = {}
         self.updates: list[tuple[str, bool]] = []
 
-    async def generate(self, prompt: Any, params: Any, request_id: str, **hints: Any) -> Any:
+    async def generate(self, request: Any) -> Any:
         from types import SimpleNamespace
-        self.sent[request_id] = hints["latency_sensitive"]
+        request_id = request.request_id
+        self.sent[request_id] = request.hints.latency_sensitive
         await self.release.wait()
         yield SimpleNamespace(finished=True, prompt_token_ids=[1], num_cached_tokens=0,
                               outputs=[SimpleNamespace(finish_reason="length", text=f"out-{request_id}")])

@@ -30,6 +30,7 @@ import server_helpers as support
 from conftest import make_tiny_checkpoint
 from segue.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
 from segue.engine.async_engine import AsyncLLMEngine
+from segue.engine.engine_request import EngineRequest
 from segue.engine.llm_engine import LLMEngine
 from segue.sampling_params import SamplingParams
 from segue.server.app import create_app
@@ -81,8 +82,8 @@ def test_engine_progresses_when_held_contexts_fill_the_pool(tmp_path: pathlib.Pa
         return [rng.randrange(100, 40000) for _ in range(n)]
     for i, (prompt, tools, last) in enumerate(STALL_WORKLOAD):
         script = [TraceSegment(g, s, tokens(n), kind="tool") for g, s, n in tools] + [TraceSegment(last)]
-        scripted(engine).add_request(f"r{i}", tokens(prompt), SamplingParams(temperature=0, ignore_eos=True),
-                                     script=script)
+        request = EngineRequest(tokens(prompt), SamplingParams(temperature=0, ignore_eos=True), f"r{i}")
+        scripted(engine).add_request(request, script)
     for _ in range(3000):
         if not engine.has_unfinished_requests():
             break

@@ -13,6 +13,7 @@ import pytest
 from conftest import make_tiny_checkpoint
 from segue.config import EngineConfig, ModelLoadConfig
 from segue.engine.async_engine import AsyncLLMEngine
+from segue.engine.engine_request import EngineRequest
 from segue.engine.llm_engine import LLMEngine
 from segue.sampling_params import SamplingParams
 from segue.server.app import create_app
@@ -285,8 +286,8 @@ def test_closing_a_stream_at_its_yield_aborts_at_once(engine: AsyncLLMEngine) ->
         original(request_id)
 
     async def close_after_first() -> list[str]:
-        gen = engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True),
-                              request_id="close-at-yield")
+        gen = engine.generate(EngineRequest(PROMPT, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True),
+                                            "close-at-yield"))
         await gen.__anext__()
         await gen.aclose()
         seen = list(aborted)

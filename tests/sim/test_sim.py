@@ -7,6 +7,7 @@ import json
 import pytest
 
 from segue.config import CacheConfig, EngineConfig, SchedulerConfig
+from segue.engine.engine_request import EngineRequest
 from segue.executor.sim_executor import SIM_TOKEN_ID, SimClock, SimExecutor
 from segue.request import Request
 from segue.sampling_params import SamplingParams
@@ -228,7 +229,7 @@ def test_oracle_predictions_are_the_scripts_truth():
                           predictor=PredictorConfig(oracle=True))
     engine = make_sim_engine(GPTJ, 4096, config, max_model_len=2048)
     script = [TraceSegment(5, 2.0, [7, 7, 7]), TraceSegment(9)]
-    req = scripted(engine).add_request("o", [1] * 20, SamplingParams(), script=script)
+    req = scripted(engine).add_request(EngineRequest([1] * 20, SamplingParams(), "o"), script)
     assert (req.predicted_output_tokens, req.predicted_interception_s) == (5, 2.0)
     seen = []
     for _ in range(1000):
@@ -246,7 +247,7 @@ def test_a_step_that_only_preempts_is_not_idle() -> None:
     # block held by paused requests) and admit nobody until the next step; a driver that waits
     # for an event after an idle step would report a deadlock that is not there.
     engine = make_sim_engine(PRESETS["gptj-6b-a100"], 4096, EngineConfig())
-    req = engine.add_request("r0", [1] * 8, SamplingParams(max_tokens=4))
+    req = engine.add_request(EngineRequest([1] * 8, SamplingParams(max_tokens=4), "r0"))
     preempt_only = SchedulerOutput(preempted=[req])
     engine.scheduler.schedule = lambda now: preempt_only
     engine.step()

@@ -21,6 +21,7 @@ from segue.tools import (
     CalculatorError,
     DurationStats,
     ToolCall,
+    ToolCallFormat,
     ToolCallParser,
     ToolKind,
     ToolRegistry,
@@ -453,7 +454,7 @@ def test_parser_streaming_token_by_token():
             safe = p.safe_prefix_len(text[:cut])
             assert safe >= sent
             piece, new_calls = p.find_calls(text[sent:safe], strip=False)
-            assert all(c.error is None for c in new_calls)
+            assert all(c.error is None for c in new_calls) and p.content(text[sent:safe]) == piece
             pieces.append(piece)
             calls += new_calls
             sent = safe
@@ -463,7 +464,7 @@ def test_parser_streaming_token_by_token():
 
 
 def test_custom_markers():
-    p = ToolCallParser(start="[TOOL]", end="[/TOOL]")
+    p = ToolCallParser.for_format(ToolCallFormat(start="[TOOL]", end="[/TOOL]"))
     content, [c] = p.find_calls('hi [TOOL]{"name": "t", "parameters": {"a": 1}}[/TOOL]')
     assert (content, c.name, c.arguments) == ("hi", "t", {"a": 1}) and p.stop_strings == ["[/TOOL]"]
 
