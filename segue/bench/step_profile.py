@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         prompt = [rng.randrange(1000, vocab - 1000) for _ in range(args.prompt_len)]
         engine.add_request(None, prompt, SamplingParams(max_tokens=args.steps + 8, ignore_eos=True, **sampling))
     needed = args.num_requests * (args.prompt_len + args.steps + 8)
-    pool = engine.scheduler.kv.num_blocks * engine.scheduler.kv.block_size
+    pool = engine.scheduler.kv_counters().num_blocks * engine.scheduler.kv.block_size
     if needed > pool:
         raise SystemExit(f"the batch needs {needed} KV tokens but the pool holds {pool}: "
                          f"pass --kv-cache-tokens {needed}")

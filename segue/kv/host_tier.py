@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 
 from segue.kv.block_pool import BlockPool, KVBlock, num_private_tail
 from segue.kv.hashing import BlockHasher
+from segue.kv.interface import Copies
 from segue.request import Request
-
-Copies = list[tuple[int, int]]
 
 
 @dataclass

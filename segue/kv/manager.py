@@ -12,13 +12,11 @@ from collections import Counter
 from segue.kv.block_pool import BlockPool, KVBlock, num_private_tail
 from segue.kv.hashing import BlockHasher
 from segue.kv.host_tier import HostLink, HostTier
+from segue.kv.interface import NO_HIT, Held, KVCounters, PrefixHit, RetainedContext, cdiv
 from segue.kv.manager_host import HostTierSide
-from segue.kv.retained import RetainedContext, RetainedContexts
+from segue.kv.retained import RetainedContexts
+from segue.kv.reuse import ReuseTracker
 from segue.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager(HostTierSide):
@@ -47,6 +45,19 @@ class KVCacheManager(HostTierSide):
                                   self.tables, self._num_registered, self._hasher, self._link,
                                   enable_prefix_caching)
         self.host = self._tier.pool if self._tier is not None else None
+        # Expected reuse of finished requests' blocks (use_reuse_eviction); None: plain LRU.
+        self._reuse: ReuseTracker | None = None
+
+    def use_reuse_eviction(self, on: bool) -> None:
+        """Key finished requests' cached blocks by their expected reuse (finish(); ReuseTracker),
+        and host blocks read back with them (HostTier.keyed_reloads), or plain LRU."""
+        self._reuse = ReuseTracker() if on else None
+        self.keyed_reloads = on
+
+    def begin_step(self, now: float) -> None:
+        """The scheduler's clock moves on (set_clock) and the previous step's copies are done."""
+        self.set_clock(now)
+        self.release_swapped_out()
 
     def set_clock(self, now: float) -> None:
         """The scheduler's time, for the eviction order of blocks kept for an expected resume."""
@@ -65,13 +76,26 @@ class KVCacheManager(HostTierSide):
     def num_used_blocks(self) -> int: return self.device.num_used_blocks
     def usage(self) -> float: return self.device.usage()
 
+    def counters(self) -> KVCounters:
+        """The pools and the host link now (a snapshot: read it again after a verb)."""
+        host = self.host
+        return KVCounters(self.device.num_blocks, self.device.num_free_blocks,
+                          host.num_blocks if host is not None else 0, host.num_free_blocks if host is not None else 0,
+                          self.num_swapping_out_blocks, self._link.budget, self.write_back_reuse_rate())
+
     def num_held_blocks(self) -> int:
         """Device blocks in requests' tables (counted once per table that holds them)."""
         return sum(len(t) for t in self.tables.values())
 
     # ---- queries: one request ------------------------------------------------------------
-    def request_ids_with_blocks(self) -> list[str]:
-        """The requests that hold device blocks (bounded by the pool, unlike the queues)."""
+    def held(self, request_id: str) -> Held:
+        return Held(len(self.tables.get(request_id, ())), len(self.host_tables.get(request_id, ())))
+
+    def holders(self, on_host: bool = False) -> list[str]:
+        """The requests that hold device blocks, or with `on_host` host blocks (bounded by the
+        pools, unlike the queues)."""
+        if on_host:
+            return list(self.host_tables)
         return [rid for rid, table in self.tables.items() if table]
 
     def block_ids(self, request_id: str) -> list[int]:
@@ -97,19 +121,14 @@ class KVCacheManager(HostTierSide):
         return max(0, on_device - (d - self.num_private_blocks_of(rid)) * self.block_size)
 
     def num_freed_by_release(self, request_ids: list[str], handles: list[RetainedContext],
-                             hits: list[KVBlock]) -> int:
+                             hit: PrefixHit) -> int:
         """Device blocks that releasing these requests' device tables and these retained handles,
         all of them, would free, `hits` not counted: a freed block that a request is about to take
         as a cached hit gives it no room. A block shared with a holder outside the set stays."""
         refs = Counter(b.block_id for rid in request_ids for b in self.tables.get(rid, ()))
         refs.update(b.block_id for h in handles for b in h.blocks)
-        taken = {b.block_id for b in hits}
+        taken = set(hit.block_ids)
         return sum(1 for bid, n in refs.items() if self.device.blocks[bid].ref_cnt == n and bid not in taken)
-
-    @staticmethod
-    def num_free_among(hits: list[KVBlock]) -> int:
-        """Cached hits that sit in the free list: taking them takes free blocks."""
-        return sum(1 for b in hits if b.ref_cnt == 0)
 
     # ---- prefix cache --------------------------------------------------------------------
     def full_block_hashes(self, request: Request) -> list[int]:
@@ -119,11 +138,11 @@ class KVCacheManager(HostTierSide):
     def _block_key(self, request: Request, i: int) -> tuple[int, tuple[int, ...]]:
         return self._hasher.key(request, i)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def match(self, request: Request) -> PrefixHit:
         """Longest device-cached prefix of a request that holds no blocks yet, in whole blocks."""
         rid = request.request_id
         if not self.enable_prefix_caching or rid in self.tables or rid in self.host_tables:
-            return [], 0
+            return NO_HIT
         self._hasher.update(request)
         hits: list[KVBlock] = []
         for i in range(len(request.block_hashes)):
@@ -134,29 +153,30 @@ class KVCacheManager(HostTierSide):
         # The last token must be computed to produce logits, so a full hit backs off one block.
         if hits and len(hits) * self.block_size >= request.num_tokens:
             hits.pop()
-        return hits, len(hits) * self.block_size
+        return PrefixHit(tuple(hits), (), self.block_size)
 
     # ---- allocation ----------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> bool:
-        """Grow the request's table to hold its computed tokens plus `num_new_tokens` more.
-        `computed_blocks` (from get_computed_blocks) are attached first. False if it doesn't fit;
-        nothing changes in that case."""
-        computed_blocks = computed_blocks or []
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
+        """Grow the request's table to hold its computed tokens plus `num_new_tokens` more. The
+        device blocks of `hit` (from match) are attached first. False if it doesn't fit; nothing
+        changes in that case."""
+        computed_blocks = list(hit._device)
         table = self.tables.get(request.request_id, [])
         total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         need = cdiv(total, self.block_size) - len(table) - len(computed_blocks)
         # Cached hits sitting in the free list stop being free once we take them.
-        if need > self.device.num_free_blocks - self.num_free_among(computed_blocks):
+        if need > self.device.num_free_blocks - hit.num_free():
             return False
         self.device.touch(computed_blocks)
         table = table + computed_blocks + (self.device.allocate(need) if need > 0 else [])
         self.tables[request.request_id] = table
         return True
 
-    def attach_host_hits(self, request: Request, device_hits: list[KVBlock], host_hits: list[KVBlock]) -> None:
-        """Take a request's device and host-tier hits as its context (device part first, host part
-        after it), to be swapped in like a resumed swapped-out request before it runs."""
+    def attach_host_hit(self, request: Request, hit: PrefixHit) -> None:
+        """Take a request's device and host-tier hits (match_host) as its context (device part
+        first, host part after it), to be swapped in like a resumed swapped-out request before
+        it runs."""
+        device_hits, host_hits = list(hit._device), list(hit._host)
         assert host_hits and request.num_computed_tokens == 0
         assert self._tier is not None, "host hits without a host tier"
         rid = request.request_id
@@ -197,6 +217,19 @@ class KVCacheManager(HostTierSide):
         if host_table and self._tier is not None:
             self._tier.free(list(reversed(host_table)))
         self._num_registered.pop(rid, None)
+
+    def finish(self, request: Request, now: float, block_recompute_s: float) -> None:
+        """Free a finished request's KV; with reuse eviction on, its cached blocks are keyed by
+        their expected reuse (the chain it continued, shared blocks' own history; ReuseTracker),
+        each lowered by the recompute that losing it costs."""
+        rid = request.request_id
+        n = self.num_device_blocks_of(rid)
+        if self._reuse is None or n == 0 or rid in self.host_tables:
+            self.free(request)
+            return
+        full = request.block_hashes[:min(n, request.num_computed_tokens // self.block_size)]
+        cls = self._reuse.admit(full, now)
+        self.free(request, self._reuse.finish(full, n, cls, now, block_recompute_s))
 
     def release(self, request: Request, reuse_at: float | None = None, block_recompute_s: float = 0.0) -> None:
         """Give up a paused request's context without destroying it: its published blocks stay in

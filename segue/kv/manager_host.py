@@ -4,7 +4,8 @@ host tier every query reads 0 and nothing moves."""
 from __future__ import annotations
 
 from segue.kv.block_pool import BlockPool, KVBlock
-from segue.kv.host_tier import Copies, HostLink, HostTier
+from segue.kv.host_tier import HostLink, HostTier
+from segue.kv.interface import Copies, Moved, PrefixHit
 from segue.request import Request
 
 
@@ -63,11 +64,11 @@ class HostTierSide:
         return request_id in self.host_tables
 
     # ---- prefix cache ---------------------------------------------------------------------
-    def get_host_hits(self, request: Request, num_device_hits: int) -> list[KVBlock]:
-        """Host-tier blocks that continue a request's device hits (call after get_computed_blocks)."""
+    def match_host(self, request: Request, hit: PrefixHit) -> PrefixHit:
+        """`hit` (from match) with the host-tier blocks that continue it."""
         if self._tier is None or not self.enable_prefix_caching:
-            return []
-        return self._tier.lookup_hits(request, num_device_hits)
+            return hit
+        return PrefixHit(hit._device, tuple(self._tier.lookup_hits(request, hit.num_blocks)), hit.block_size)
 
     # ---- swapping (HostTier; without host memory nothing moves) --------------------------
     def open_link(self, blocks: int) -> None:
@@ -90,15 +91,25 @@ class HostTierSide:
         """Write-backs copied past the link budget so far (each stalled its step)."""
         return self._tier.num_stalled_write_backs if self._tier is not None else 0
 
-    def swap_out_blocks(self, request: Request, max_blocks: int) -> Copies:
-        """Move up to max_blocks of the request's private device tail to the host; returns the
-        (device, host) copies (HostTier.swap_out)."""
-        return self._tier.swap_out(request, max_blocks) if self._tier is not None else []
+    def swap_out(self, request: Request, max_blocks: int) -> Moved:
+        """Move up to max_blocks of the request's private device tail to the host; the copies
+        are (device, host) pairs (HostTier.swap_out)."""
+        if self._tier is None:
+            return Moved([], 0, 0)
+        before = self.num_host_blocks_of(request.request_id)
+        copies = self._tier.swap_out(request, max_blocks)
+        after = self.num_host_blocks_of(request.request_id)
+        return Moved(copies, after - before, after)
 
-    def swap_in_blocks(self, request: Request, max_blocks: int) -> Copies:
-        """Bring host blocks back to the device, up to max_blocks copies; returns the (host,
-        device) copies (HostTier.swap_in)."""
-        return self._tier.swap_in(request, max_blocks) if self._tier is not None else []
+    def swap_in(self, request: Request, max_blocks: int) -> Moved:
+        """Bring host blocks back to the device, up to max_blocks copies; the copies are (host,
+        device) pairs (HostTier.swap_in)."""
+        if self._tier is None:
+            return Moved([], 0, 0)
+        before = self.num_host_blocks_of(request.request_id)
+        copies = self._tier.swap_in(request, max_blocks)
+        after = self.num_host_blocks_of(request.request_id)
+        return Moved(copies, before - after, after)
 
     def release_swapped_out(self) -> None:
         """The previous step's copies are done (HostTier.release_swapped_out)."""
