@@ -256,7 +256,8 @@ def test_readme_and_docs_link_only_into_the_repo():
 # tables or private state: those change shape whenever the KV layout does, and seven modules
 # reading them is what made the host tier impossible to restructure.
 KV_ATTRS = {"tables", "host_tables", "device", "host"}  # internal when read off a KV manager
-KV_ONLY_NAMES = {"host_tables", "_retained", "_num_registered", "_tier", "_link", "_hasher"}  # internal anywhere
+# Internal anywhere:
+KV_ONLY_NAMES = {"host_tables", "_retained", "_num_registered", "_tier", "_link", "_hasher", "_dev"}
 BLOCK_INTERNALS = {"ref_cnt", "heap_seq", "reuse_at"}  # a KVBlock's bookkeeping
 
 
