@@ -1,7 +1,34 @@
 """Freeing device memory for admission (sched/admission.py): a holder behind a blocked head takes
 blocks from holders below it, a head that nothing else will ever make room for takes them from
 waiting holders, and a request whose prefix continues in the host tier loads it instead of
-recomputing it. Pure Python."""
+recomputing it. Pure Python.
+
+Who gives device memory to whom, everywhere in the scheduler (each site keeps its own order, and
+the orders differ on purpose, so they are listed here rather than merged into one routine):
+
+1. A running request that cannot grow (Scheduler._schedule_running): paused contexts
+   (PausedRequests.release_for_memory: the latest expected back first, then the largest), then
+   retained agent histories (AgentTracker.release_for_memory: the highest memory-time per
+   recompute second first), then a running request not yet scheduled this step is preempted
+   (the policy's preemption_order; it recomputes).
+2. A waiting request at admission (Admission._make_room): paused contexts; retained histories
+   only when nothing runs; then under a preemptive policy lower-ranked waiting holders are
+   swapped out (preemption.make_room; never dropped), under a non-preemptive one waiting holders
+   are discarded when nothing runs (release_waiting_kv, below).
+3. Behind a blocked head, under a preemptive policy, a holder that cannot grow (room_for_holder):
+   paused contexts, then holders ranked below it swapped out, then (host full) discarded.
+4. A step in which nothing ran (Admission.finish, preemptive): the blocked head discards waiting
+   holders (release_waiting_kv).
+5. Thrashing avoidance, non-preemptive with agents (thrashing.fit_beside_agents): paused contexts,
+   then other agents' retained histories, only when together they cover the whole shortfall.
+6. A swap-in waiting while nothing runs (Scheduler._plan_swaps): retained histories.
+7. The arrival reserve of a preemptive policy (preemption.keep_reserve): the longest-waiting
+   holders are swapped out proactively, within the step's link budget.
+8. Every step, the interception policy (PausedRequests.plan) preserves, swaps or discards each
+   paused context; retained histories expire on their own (AgentTracker.expire).
+The KV side of each of these is a KVCache verb (segue/kv/interface.py): release, release_retained,
+free, swap_out.
+"""
 from __future__ import annotations
 
 from segue.kv.interface import PrefixHit
