@@ -107,7 +107,7 @@ class CacheReplay:
         else:
             full = req.block_hashes[:len(tokens) // kv.block_size]
             cls = self.tracker.admit(full, now)
-            keys = self.tracker.finish(full, kv.num_device_blocks_of(req.request_id), cls, now,
+            keys = self.tracker.finish(full, kv.held(req.request_id).device, cls, now,
                                        self.block_recompute_s)
             kv.free(req, keys)
         # The write-backs that this request's allocations caused are done by the next lookup.
