@@ -15,7 +15,7 @@ import torch
 
 from segue.config import CacheConfig, ModelLoadConfig
 from segue.executor.kernel_plan import KernelPlan
-from segue.kv.manager import cdiv
+from segue.kv.interface import cdiv
 from segue.model.attention import AttentionMetadata, PrefillChunk
 from segue.model.checkpoint import LoadedCheckpoint
 from segue.model.kv_cache import KVCache

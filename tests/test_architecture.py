@@ -253,12 +253,13 @@ def test_readme_and_docs_link_only_into_the_repo():
 
 
 # ---- the KV manager's seam (issue 27) ------------------------------------------------------
-# Outside segue/kv/ the KV manager is read through its methods (usage(), num_free_blocks,
-# request_ids_with_blocks(), has_host_blocks(), block_ids(), ...), never through its pools, block
+# Outside segue/kv/ the KV manager is read through its verbs (counters(), held(), holders(),
+# block_ids(), ...: segue/kv/interface.py's KVCache), never through its pools, block
 # tables or private state: those change shape whenever the KV layout does, and seven modules
 # reading them is what made the host tier impossible to restructure.
 KV_ATTRS = {"tables", "host_tables", "device", "host"}  # internal when read off a KV manager
-KV_ONLY_NAMES = {"host_tables", "_retained", "_num_registered", "_tier", "_link", "_hasher"}  # internal anywhere
+# Internal anywhere:
+KV_ONLY_NAMES = {"host_tables", "_retained", "_num_registered", "_tier", "_link", "_hasher", "_dev"}
 BLOCK_INTERNALS = {"ref_cnt", "heap_seq", "reuse_at"}  # a KVBlock's bookkeeping
 
 
@@ -284,7 +285,32 @@ def test_only_segue_kv_reads_kv_internals():
         if path.is_relative_to(ROOT / "segue" / "kv"):
             continue
         bad += kv_internal_reads(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
-    assert not bad, "KV internals read outside segue/kv/ (add a query to KVCacheManager):\n" + "\n".join(bad)
+    assert not bad, "KV internals read outside segue/kv/ (add a verb to segue/kv/interface.py):\n" + "\n".join(bad)
+
+
+# Outside segue/kv/ only its interface is imported (the verbs of KVCache and the opaque values they
+# trade in): no KVBlock, no pool, no host tier. The places that construct a KVCacheManager are the
+# exceptions (and tests, which are not scanned here).
+KV_INTERFACE = "segue.kv.interface"
+KV_CONSTRUCTORS = ("segue.engine.scheduler_builder", "segue.sim.prefix_cache")
+
+
+def kv_imports_past_the_interface(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{module} imports {target}" for module, targets in sorted(graph.items())
+            if not _within(module, ("segue.kv",) + KV_CONSTRUCTORS)
+            for target in sorted(targets) if _within(target, ("segue.kv",)) and target != KV_INTERFACE]
+
+
+def test_only_the_kv_interface_is_imported_outside_segue_kv():
+    bad = kv_imports_past_the_interface(import_graph())
+    assert not bad, ("modules import segue/kv past its interface (add a verb to segue/kv/interface.py's "
+                     "KVCache):\n" + "\n".join(bad))
+
+
+def test_kv_interface_check_catches_violations():
+    graph = {"segue.sched.admission": {"segue.kv.block_pool", "segue.kv.interface"},
+             "segue.engine.scheduler_builder": {"segue.kv.manager"}, "segue.kv.manager": {"segue.kv.block_pool"}}
+    assert kv_imports_past_the_interface(graph) == ["segue.sched.admission imports segue.kv.block_pool"]
 
 
 @pytest.mark.parametrize("source,caught", [
@@ -295,8 +321,8 @@ def test_only_segue_kv_reads_kv_internals():
     ("self.kv._retained", True),
     ("held = [b for b in hits if b.ref_cnt == 0]", True),
     ("tables = manager.host_tables", True),
-    ("kv.usage() + kv.num_free_blocks + kv.num_free_host_blocks", False),
-    ("self.kv.block_ids(rid); self.kv.has_host_blocks(rid)", False),
+    ("kv.counters().usage() + kv.counters().num_free_host_blocks", False),
+    ("self.kv.block_ids(rid); self.kv.held(rid).host", False),
     ("executor.device; self.tables", False),  # not a KV manager
 ])
 def test_kv_internal_reads_are_caught(source, caught):

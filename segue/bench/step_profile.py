@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         engine.add_request(EngineRequest(prompt, SamplingParams(max_tokens=args.steps + 8, ignore_eos=True,
                                                                 **sampling)))
     needed = args.num_requests * (args.prompt_len + args.steps + 8)
-    pool = engine.scheduler.kv.num_blocks * engine.scheduler.kv.block_size
+    pool = engine.scheduler.kv_counters().num_blocks * engine.scheduler.kv.block_size
     if needed > pool:
         raise SystemExit(f"the batch needs {needed} KV tokens but the pool holds {pool}: "
                          f"pass --kv-cache-tokens {needed}")

@@ -113,7 +113,7 @@ class LLMEngine(EngineRequests):
 
     def num_held_blocks(self) -> int:
         """KV blocks held by requests (running, waiting with blocks, paused): 0 once all are gone."""
-        return self.scheduler.kv.num_held_blocks()
+        return self.scheduler.num_held_blocks()
 
     def next_timer(self) -> float | None:
         """When the hooks next act on their own, e.g. a scripted pause ends (an idle loop may
@@ -211,8 +211,7 @@ class LLMEngine(EngineRequests):
                 self._states[req.request_id].metrics.num_preemptions = req.num_preemptions
 
     def _record_waste(self, out: SchedulerOutput, step_s: float) -> None:
-        kv = self.scheduler.kv
-        running_blocks = sum(kv.num_device_blocks_of(s.request.request_id) for s in out.seqs)
+        running_blocks = self.scheduler.num_device_blocks_of(s.request for s in out.seqs)
         self.waste.record_step(step_s, self.scheduler.paused.held_device_blocks(), running_blocks,
                                self.scheduler.last_step_recompute_tokens, out.num_batched_tokens,
                                getattr(self.executor, "last_swap_seconds", 0.0))

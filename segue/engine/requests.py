@@ -102,7 +102,7 @@ class EngineRequests:
             self.tool_stats.observe(interception.tool, self.clock() - interception.t_call)
         state.text_before += state.detokenizer.flush()
         if keep is not None and keep < req.num_tokens:
-            self.scheduler.paused.truncate(req, keep)
+            self.scheduler.truncate_paused(req, keep)
         self.predictors.on_resume(req, len(tokens), self.clock())
         self._predicted(req)
         self.scheduler.resume_request(req, list(tokens), self.clock())

@@ -47,6 +47,16 @@ def num_private_tail(blocks: list[KVBlock]) -> int:
     return n
 
 
+def release_keys(n: int, reuse_at: float | None, block_recompute_s: float) -> list[float] | None:
+    """Eviction keys, tail first, for a table of `n` blocks released together (KVCacheManager.release):
+    block i's key is `reuse_at` lowered by (n - i) * `block_recompute_s`, so the head outlives the tail."""
+    if reuse_at is None:
+        return None
+    keys = [reuse_at - (n - i) * block_recompute_s for i in range(n)]
+    keys.reverse()
+    return keys
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True, name: str = "device") -> None:
         if num_blocks < 1:

@@ -6,24 +6,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-from segue.kv.block_pool import BlockPool, KVBlock, num_private_tail
-
-
-@dataclass(eq=False)
-class RetainedContext:
-    # Full, cached blocks of the finished request's context, head first, one reference each.
-    blocks: list[KVBlock]
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    def num_private_blocks(self) -> int:
-        """Blocks that releasing the handle frees: those no running request or other handle holds
-        (a shared system prompt stays)."""
-        return num_private_tail(self.blocks)
+from segue.kv.block_pool import BlockPool, KVBlock
+from segue.kv.interface import RetainedContext
 
 
 class RetainedContexts:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from segue.engine.llm_engine import LLMEngine
-from segue.kv.manager import cdiv
+from segue.kv.interface import cdiv
 from segue.profiler.scatter import decode_batch, decode_context, one_piece
 
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from segue.engine.llm_engine import LLMEngine
-from segue.kv.manager import cdiv
+from segue.kv.interface import cdiv
 from segue.request import Request
 from segue.sampling_params import SamplingParams
 from segue.sched.cost_model import scattered_blocks

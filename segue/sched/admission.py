@@ -14,7 +14,7 @@ import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from segue.kv.block_pool import KVBlock
+from segue.kv.interface import NO_HIT, PrefixHit
 from segue.request import Request, RequestStatus
 from segue.sched.newcomers import newcomers_first
 from segue.sched.output import SchedulerOutput
@@ -44,7 +44,7 @@ class _Blocked:
     requests that already hold KV run; if nothing runs at all, it takes memory by a discard)."""
     request: Request
     num_new: int
-    hits: list[KVBlock] = field(default_factory=list)
+    hit: PrefixHit = NO_HIT
     need: int = 0
     swapping: bool = False  # make_room started swap-outs for it
 
@@ -108,32 +108,32 @@ class Admission:
         # mix: mean end-to-end latency 27% above FCFS's; with half the budget, 6% below).
         if self.preemptive:
             self.decode_room = _count_resident_decodes(sched, int(self.budget * sched.policy.decode_share))
-        self.watermark_blocks = int(sched.config.watermark * sched.kv.num_blocks)
+        self.watermark_blocks = int(sched.config.watermark * sched.kv.counters().num_blocks)
         self.capacity = LatencyCapacity.of(sched)
         if sched.agents is not None and not self.preemptive:
             # Preemptive orders admit into a full pool on purpose: their head takes memory from
             # lower-ranked holders (make_room), which a whole-prompt test would never let it reach.
             self.committed = running_needs(sched)
             # Resumed requests waiting to swap in go before newcomers: their host parts are spoken for.
-            self.committed += sum(sched.kv.num_host_blocks_of(r.request_id) for r in sched.paused.swapped)
+            self.committed += sum(sched.kv.held(r.request_id).host for r in sched.paused.swapped)
 
     @property
     def free_blocks(self) -> int:
-        return self.sched.kv.num_free_blocks
+        return self.sched.kv.counters().num_free_blocks
 
     def headroom(self, req: Request) -> int:
         """Blocks a request without KV must leave free when others run: admitting requests until
         the pool is exactly full makes the next step's decodes preempt (and recompute) someone."""
         others = self.scheduled or self.sched.running
-        return self.watermark_blocks if others and not self.sched.kv.num_device_blocks_of(req.request_id) else 0
+        return self.watermark_blocks if others and not self.sched.kv.held(req.request_id).device else 0
 
-    def allocate(self, req: Request, num_new: int, hits: list[KVBlock]) -> bool:
+    def allocate(self, req: Request, num_new: int, hit: PrefixHit) -> bool:
         # num_new excludes the cached hits, so this counts the fresh blocks only; without a
         # headroom, allocate_slots's own check is the whole test.
         room = self.headroom(req)
         if room and self.sched.kv.num_blocks_needed(req, num_new) + room > self.free_blocks:
             return False
-        return self.sched.kv.allocate_slots(req, num_new, hits)
+        return self.sched.kv.allocate_slots(req, num_new, hit)
 
     def candidates(self) -> Iterator[Request]:
         """The waiting requests in the policy's order, read no further than admission goes."""
@@ -160,7 +160,7 @@ class Admission:
             return AddResult.NO_TOKEN
         if req.status == RequestStatus.SWAPPED:
             return AddResult.SKIPPED  # swapped out by make_room for the blocked head
-        if self.blocked is not None and not sched.kv.num_device_blocks_of(req.request_id):
+        if self.blocked is not None and not sched.kv.held(req.request_id).device:
             return AddResult.SKIPPED
         if self.capacity is not None and not self.capacity.admits(req):
             # Over the latency capacity, a non-preemptive queue waits in order (Parrot's FIFO).
@@ -168,66 +168,65 @@ class Admission:
         decode = self.decode_room > 0 and _is_resident_decode(sched, req)
         if self.decode_room > 0 and not decode and self.budget <= self.decode_room:
             return AddResult.SKIPPED  # no room for another chunk in this step
-        hits: list[KVBlock] = []
-        num_hit = 0
+        hit = NO_HIT
         if req.num_computed_tokens == 0:
-            hits, num_hit = sched.kv.get_computed_blocks(req)
-            holds_kv = sched.kv.num_device_blocks_of(req.request_id) > 0
+            hit = sched.kv.match(req)
+            holds_kv = sched.kv.held(req.request_id).device > 0
             if self.committed is not None and self.blocked is None and not holds_kv:
                 alone = not (self.scheduled or sched.running)
-                fit = fit_beside_agents(sched, req, hits, self.committed, alone)
+                fit = fit_beside_agents(sched, req, hit, self.committed, alone)
                 if fit is not Fit.FITS:
                     # A starving head keeps the memory that frees up for itself (head-of-line)
                     # where the order allows it; preemptive orders put it first on their own.
                     starving = fit is Fit.STARVES
                     return AddResult.NO_MEMORY if starving and not self.preemptive else AddResult.SKIPPED
-            if self.blocked is None and load_host_hits(sched, req, hits, self.out):
+            if self.blocked is None and load_host_hits(sched, req, hit, self.out):
                 if self.committed is not None:
                     self.committed += still_needed(self.sched, req)
                 return AddResult.SWAPPING
         elif self.committed is not None and self.blocked is None:
             # A held context resumed (a session's next turn): the same test, or its appended
             # tokens and output grow into a preemption (pressure preset, sessions: 50-80 a run).
-            fit = fit_beside_agents(sched, req, [], self.committed, not (self.scheduled or sched.running))
+            fit = fit_beside_agents(sched, req, NO_HIT, self.committed, not (self.scheduled or sched.running))
             if fit is not Fit.FITS:
                 return AddResult.NO_MEMORY if fit is Fit.STARVES else AddResult.SKIPPED
-        num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, self.budget)
+        num_new = min(req.num_tokens - req.num_computed_tokens - hit.num_tokens, self.budget)
         if self.decode_room > 0 and not decode:
             num_new = min(num_new, self.budget - self.decode_room)
-        if not self.allocate(req, num_new, hits):
-            result = self._make_room(req, num_new, hits)
+        if not self.allocate(req, num_new, hit):
+            result = self._make_room(req, num_new, hit)
             if result is not None:
                 return result
-        self._take(req, num_new, num_hit, decode)
+        self._take(req, num_new, hit.num_tokens, decode)
         return AddResult.ADMITTED
 
-    def _make_room(self, req: Request, num_new: int, hits: list[KVBlock]) -> AddResult | None:
+    def _make_room(self, req: Request, num_new: int, hit: PrefixHit) -> AddResult | None:
         """Free memory for a request that did not fit; None when it now has its blocks."""
         sched = self.sched
         if self.blocked is not None:
             # Behind the blocked head, a holder that cannot grow takes the blocks from holders
             # that rank below it: with every holder stuck, a full pool would run nothing.
-            if self.preemptive and room_for_holder(sched, req, num_new, self.out) and self.allocate(req, num_new, hits):
+            if self.preemptive and room_for_holder(sched, req, num_new, self.out) and self.allocate(req, num_new, hit):
                 return None
             return AddResult.SKIPPED
         # The free blocks it takes: fresh blocks for its new tokens (num_blocks_needed counts
         # from its computed tokens, so its hits are not in it) and the hits that sit in the free
         # list. Not the watermark: discarding paused contexts to keep headroom defeats the
         # headroom (measured: more recompute).
-        need = sched.kv.num_blocks_needed(req, num_new) + sched.kv.num_free_among(hits)
+        need = sched.kv.num_blocks_needed(req, num_new) + hit.num_free()
         freed = sched.paused.release_for_memory(need, sched.now)
         if sched.agents is not None and not (self.scheduled or sched.running) and self.free_blocks < need:
             # Nothing runs: retained histories are the only memory that could ever come free.
             freed += sched.agents.release_for_memory(need - self.free_blocks, sched.now)
-        self.blocked = blocked = _Blocked(req, num_new, hits, need)
+        self.blocked = blocked = _Blocked(req, num_new, hit, need)
         if self.preemptive and self.free_blocks < need:
             blocked.swapping = make_room(sched, req, need, self.out) is Room.IN_FLIGHT
         if blocked.swapping:
             return AddResult.SWAPPING  # swap-outs free the memory by the next step
         if self.preemptive:
-            if not (freed and self.allocate(req, num_new, hits)):
+            if not (freed and self.allocate(req, num_new, hit)):
                 return AddResult.SKIPPED
-        elif not ((freed or release_waiting_kv(sched, req, need)) and self.allocate(req, num_new, hits)):
+        elif not ((freed or release_waiting_kv(sched, req, need)) and self.allocate(req, num_new, hit)):
             return AddResult.NO_MEMORY
         self.blocked = None
         return None
@@ -247,8 +246,8 @@ class Admission:
         b = self.blocked
         if self.preemptive and b is not None and not b.swapping and not self.scheduled:
             # Nothing ran: without a discard, nothing would ever free memory.
-            if release_waiting_kv(self.sched, b.request, b.need) and self.allocate(b.request, b.num_new, b.hits):
-                _admit(self.sched, b.request, b.num_new, len(b.hits) * self.sched.kv.block_size, self.scheduled)
+            if release_waiting_kv(self.sched, b.request, b.need) and self.allocate(b.request, b.num_new, b.hit):
+                _admit(self.sched, b.request, b.num_new, b.hit.num_tokens, self.scheduled)
                 self.budget -= b.num_new
         return self.budget
 
@@ -292,4 +291,4 @@ def _count_resident_decodes(sched: SchedulerState, limit: int) -> int:
 def _is_resident_decode(sched: SchedulerState, req: Request) -> bool:
     # Cheapest test first: under overload most waiting requests have computed nothing.
     return (req.num_computed_tokens > 0 and req.status != RequestStatus.SWAPPED
-            and req.num_tokens - req.num_computed_tokens == 1 and sched.kv.num_device_blocks_of(req.request_id) > 0)
+            and req.num_tokens - req.num_computed_tokens == 1 and sched.kv.held(req.request_id).device > 0)

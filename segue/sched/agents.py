@@ -15,8 +15,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from segue.kv.manager import KVCacheManager
-from segue.kv.retained import RetainedContext
+from segue.kv.interface import KVCache, RetainedContext
 from segue.request import Request, RequestStatus
 from segue.sched.cost_model import CostModel
 from segue.tools.stats import DurationWindow
@@ -76,7 +75,7 @@ class ReturnGaps:
 class AgentTracker:
     """Per-agent state for the scheduler; owns the retained contexts (through the KV manager)."""
 
-    def __init__(self, kv: KVCacheManager, cost: CostModel, prior_gap_s: float = 10.0,
+    def __init__(self, kv: KVCache, cost: CostModel, prior_gap_s: float = 10.0,
                  max_agents: int = 4096) -> None:
         self.kv = kv
         self.cost = cost
@@ -190,7 +189,7 @@ class AgentTracker:
         agent.last_finish = now
         agent.awaiting_return = True
         self._watched.add(agent.agent_id)
-        if self.gaps.p_return() < 0.5 or not self.kv.num_device_blocks_of(request.request_id):
+        if self.gaps.p_return() < 0.5 or not self.kv.held(request.request_id).device:
             return False
         agent.context = self.kv.retain(request)
         agent.expected_back = now + self.gaps.mean()

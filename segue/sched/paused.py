@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from segue.kv.manager import KVCacheManager
+from segue.kv.interface import KVCache
 from segue.request import Disposition, Interception, Request, RequestStatus
 from segue.sched.cost_model import CostModel
 from segue.sched.interception import Decision, InterceptionPolicy, PausedRequest, StepState
@@ -25,7 +25,7 @@ def _pause_of(req: Request) -> Interception:
 
 
 class PausedRequests:
-    def __init__(self, kv: KVCacheManager, policy: InterceptionPolicy, cost: CostModel) -> None:
+    def __init__(self, kv: KVCache, policy: InterceptionPolicy, cost: CostModel) -> None:
         self.kv = kv
         self.policy = policy
         self.cost = cost
@@ -52,7 +52,7 @@ class PausedRequests:
         req.num_appended_tokens += len(tokens)
         if not self.policy.keeps_arrival_time:
             req.sched_arrival_time = now
-        if self.kv.num_host_blocks_of(req.request_id):
+        if self.kv.held(req.request_id).host:
             self.enqueue_swapped(req)
             return False
         req.status = RequestStatus.WAITING
@@ -79,13 +79,13 @@ class PausedRequests:
     def begin_swap_in(self, req: Request, max_blocks: int) -> list[tuple[int, int]]:
         """Start bringing a request's host part in within this step (a host-tier hit at
         admission); the rest follows in later steps' swap-ins. Returns this step's copies."""
-        copies = self.kv.swap_in_blocks(req, max_blocks)
-        if self.kv.num_host_blocks_of(req.request_id):
+        moved = self.kv.swap_in(req, max_blocks)
+        if moved.on_host:
             self.enqueue_swapped(req)
         else:
             req.status = RequestStatus.SWAPPED
             self._landing.append(req)
-        return copies
+        return moved.copies
 
     @property
     def landing(self) -> list[Request]:
@@ -157,7 +157,7 @@ class PausedRequests:
 
     def plan(self, now: float, running_tokens: int, num_running: int,
              keep_free_blocks: int = 0) -> SwapPlan:
-        """Spend this step's link budget (kv.link_budget, opened by the scheduler) first: swap-in
+        """Spend this step's link budget (KVCounters.link_budget, opened by the scheduler) first: swap-in
         for resumed requests (in `swapped` order; they are ready to run) without going below
         `keep_free_blocks` free device blocks, the rest as the swap-out budget the policy hands
         to paused requests. What is left goes to the rest of the step's copies."""
@@ -165,40 +165,40 @@ class PausedRequests:
         self._landing = []
         bs = self.kv.block_size
         # At least one block, so that a swap-in progresses on a link too slow for a whole block
-        # per step. No write-back draws on the budget yet, so this tracks kv.link_budget.
-        limit_blocks = max(1, self.kv.link_budget)
+        # per step. No write-back draws on the budget yet, so this tracks the link's budget.
+        limit_blocks = max(1, self.kv.counters().link_budget)
         for req in list(self.swapped):
-            room = self.kv.num_free_blocks - keep_free_blocks
-            if keep_free_blocks and room < self.kv.num_host_blocks_of(req.request_id):
+            room = self.kv.counters().num_free_blocks - keep_free_blocks
+            if keep_free_blocks and room < self.kv.held(req.request_id).host:
                 break  # a part brought in now would only be swapped out again to keep the floor
-            before = self.kv.num_host_blocks_of(req.request_id)
-            copies = self.kv.swap_in_blocks(req, min(limit_blocks, room))
-            plan.swap_in += copies
-            limit_blocks -= len(copies)
-            if not self.kv.num_host_blocks_of(req.request_id):
+            moved = self.kv.swap_in(req, min(limit_blocks, room))
+            plan.swap_in += moved.copies
+            limit_blocks -= len(moved.copies)
+            if not moved.on_host:
                 self.swapped.remove(req)
                 # Blocks the device cache still held came back without a copy: nothing to wait for.
-                (self._landing if copies else plan.ready).append(req)
-            elif self.kv.num_host_blocks_of(req.request_id) == before:
+                (self._landing if moved.copies else plan.ready).append(req)
+            elif not moved.blocks:
                 break  # no free device blocks: later requests would not fit either
         if not self.policy.acts_on_paused:
             return plan
         views = []
         for rid, req in self.paused.items():
-            if not self.kv.num_device_blocks_of(rid):
+            held = self.kv.held(rid)
+            if not held.device:
                 continue
             dev = self.device_tokens(req)
             if dev <= 0:
                 continue  # nothing of its own left on the device to decide about
             it = _pause_of(req)
-            views.append(PausedRequest(req, dev, self.kv.num_host_blocks_of(req.request_id) * bs,
+            views.append(PausedRequest(req, dev, held.host * bs,
                                        now - it.t_call, it.expected_duration))
         if not views:
             return plan
         # The swap-out limit applies to budgeted policies; `swap` asks for everything and the
         # copies past the free limit stall the step (accounted as swap waste).
         # Without host room, a swap decision would move nothing and leave the context held.
-        host_room = self.kv.num_free_host_blocks
+        host_room = self.kv.counters().num_free_host_blocks
         state = StepState(now, running_tokens, num_running, min(limit_blocks, host_room) * bs, self.cost)
         plan.swap_out += self._apply(self.policy.decide(views, state), state.swap_out_budget)
         return plan
@@ -215,7 +215,7 @@ class PausedRequests:
             req = self.paused[rid]
             _pause_of(req).disposition = decision.disposition
             if decision.disposition is Disposition.SWAP and decision.swap_out_tokens > 0:
-                copies = self.kv.swap_out_blocks(req, int(min(-(-decision.swap_out_tokens // bs), blocks_left)))
+                copies = self.kv.swap_out(req, int(min(-(-decision.swap_out_tokens // bs), blocks_left))).copies
                 swap_out += copies
                 blocks_left -= len(copies)
             elif decision.disposition is Disposition.DISCARD:
@@ -239,7 +239,7 @@ class PausedRequests:
             if freed >= blocks_needed:
                 break
             if n:
-                before = self.kv.num_free_blocks
+                before = self.kv.counters().num_free_blocks
                 self.release(req)
-                freed += self.kv.num_free_blocks - before
+                freed += self.kv.counters().num_free_blocks - before
         return freed

@@ -25,8 +25,9 @@ def make_room(sched: SchedulerState, head: Request, need: int, out: SchedulerOut
     are taken, so a large deficit is paid over several steps while the head waits, instead of
     stalling the whole batch for one request (4-5x less swap stall in the simulator's chat mix,
     BENCHMARKS.md)."""
-    deficit = need - sched.kv.num_free_blocks
-    if not sched.kv.has_host_tier or sched.kv.num_free_host_blocks < deficit:
+    pools = sched.kv.counters()
+    deficit = need - pools.num_free_blocks
+    if not pools.has_host_tier or pools.num_free_host_blocks < deficit:
         return Room.NONE
     holders = holders_below(sched, head, partly_swapped_in=True)
     # Whole victims: a request left half on the device could not run and would hold memory.
@@ -37,7 +38,7 @@ def make_room(sched: SchedulerState, head: Request, need: int, out: SchedulerOut
         blocks = sched.kv.num_private_blocks_of(victim.request_id)
         if room >= deficit:
             break
-        if blocks and room + blocks <= min(sched.kv.num_free_host_blocks, budget):
+        if blocks and room + blocks <= min(pools.num_free_host_blocks, budget):
             chosen.append(victim)
             room += blocks
     if not chosen:
@@ -54,30 +55,28 @@ def holders_below(sched: SchedulerState, req: Request, partly_swapped_in: bool) 
     key = sched.policy.key(req, sched.now)
     candidates = sched.waiting_holders()
     if partly_swapped_in:
-        candidates += [r for r in sched.paused.swapped if sched.kv.num_device_blocks_of(r.request_id)]
+        candidates += [r for r in sched.paused.swapped if sched.kv.held(r.request_id).device]
     return [r for r in candidates if r is not req and sched.policy.key(r, sched.now) > key]
 
 
 def swap_budget_blocks(sched: SchedulerState) -> int:
     """Blocks the link can still copy behind this step's compute: what this step's swap-ins,
-    swap-outs and write-backs so far have left of its budget (KVCacheManager.link_budget)."""
-    return sched.kv.link_budget
+    swap-outs and write-backs so far have left of its budget (KVCounters.link_budget)."""
+    return sched.kv.counters().link_budget
 
 
 def swap_out(sched: SchedulerState, req: Request, max_blocks: int, out: SchedulerOutput) -> int:
     """Move up to max_blocks of a waiting or swapped request's device KV to the host; a waiting
     one joins the swapped requests (swapped back in before it runs again). Blocks moved."""
-    before = sched.kv.num_host_blocks_of(req.request_id)
-    copies = sched.kv.swap_out_blocks(req, max_blocks)
-    # Counted on the host table, not the copies: a block the host tier still holds moves
-    # without a copy, and the request must leave the waiting queue all the same.
-    moved = sched.kv.num_host_blocks_of(req.request_id) - before
-    if moved and req.status != RequestStatus.SWAPPED:
+    moved = sched.kv.swap_out(req, max_blocks)
+    # Counted in blocks moved, not copies: a block the host tier still holds moves without a
+    # copy, and the request must leave the waiting queue all the same.
+    if moved.blocks and req.status != RequestStatus.SWAPPED:
         sched.waiting.remove(req)
         req.status = RequestStatus.SWAPPED
         sched.paused.swapped.append(req)
-    out.blocks_to_swap_out += copies
-    return moved
+    out.blocks_to_swap_out += moved.copies
+    return moved.blocks
 
 
 def keep_reserve(sched: SchedulerState, out: SchedulerOutput, reserve: int, now: float) -> None:
@@ -86,13 +85,13 @@ def keep_reserve(sched: SchedulerState, out: SchedulerOutput, reserve: int, now:
     swapping out the requests that wait the longest, within what the link moves during this
     step so the copies hide behind its compute. Requests go out whole or not at all."""
     budget = swap_budget_blocks(sched)
-    if budget <= 0 or sched.kv.num_free_host_blocks == 0:
+    if budget <= 0 or sched.kv.counters().num_free_host_blocks == 0:
         return  # nothing can move this step; ranking an overloaded queue would be wasted work
-    on_host = [r for r in sched.paused.swapped if sched.kv.num_host_blocks_of(r.request_id)]
+    on_host = [r for r in sched.paused.swapped if sched.kv.held(r.request_id).host]
     waiting_resident = sched.waiting_holders()
-    resident = waiting_resident + [r for r in sched.paused.swapped if sched.kv.num_device_blocks_of(r.request_id)]
+    resident = waiting_resident + [r for r in sched.paused.swapped if sched.kv.held(r.request_id).device]
     # Blocks swapped out this step are free by the next one, except those earmarked for a head.
-    deficit = reserve - (sched.kv.num_free_blocks + len(out.blocks_to_swap_out) - sched.earmarked_blocks)
+    deficit = reserve - (sched.kv.counters().num_free_blocks + len(out.blocks_to_swap_out) - sched.earmarked_blocks)
     if deficit <= 0 and not (on_host and waiting_resident):
         return
     victims = sched.policy.preemption_order(list({id(r): r for r in resident + on_host}.values()), now)
@@ -101,14 +100,14 @@ def keep_reserve(sched: SchedulerState, out: SchedulerOutput, reserve: int, now:
     if on_host and waiting_resident:
         best_on_host = max(on_host, key=lambda r: rank[id(r)])
         if rank[id(best_on_host)] > min(rank[id(r)] for r in waiting_resident):
-            room_for_it = sched.kv.num_host_blocks_of(best_on_host.request_id)
+            room_for_it = sched.kv.held(best_on_host.request_id).host
     for req in victims:
         if req is best_on_host:
             room_for_it = 0  # the rest rank above it: they only give way to the reserve
         if deficit + room_for_it <= 0 or budget <= 0:
             break
         blocks = sched.kv.num_private_blocks_of(req.request_id)
-        host_free = sched.kv.num_free_host_blocks
+        host_free = sched.kv.counters().num_free_host_blocks
         if not blocks or blocks > budget or blocks > host_free:
             continue  # whole requests only, and only what hides behind this step's compute
         swap_out(sched, req, blocks, out)

@@ -1,10 +1,37 @@
 """Freeing device memory for admission (sched/admission.py): a holder behind a blocked head takes
 blocks from holders below it, a head that nothing else will ever make room for takes them from
 waiting holders, and a request whose prefix continues in the host tier loads it instead of
-recomputing it. Pure Python."""
+recomputing it. Pure Python.
+
+Who gives device memory to whom, everywhere in the scheduler (each site keeps its own order, and
+the orders differ on purpose, so they are listed here rather than merged into one routine):
+
+1. A running request that cannot grow (Scheduler._schedule_running): paused contexts
+   (PausedRequests.release_for_memory: the latest expected back first, then the largest), then
+   retained agent histories (AgentTracker.release_for_memory: the highest memory-time per
+   recompute second first), then a running request not yet scheduled this step is preempted
+   (the policy's preemption_order; it recomputes).
+2. A waiting request at admission (Admission._make_room): paused contexts; retained histories
+   only when nothing runs; then under a preemptive policy lower-ranked waiting holders are
+   swapped out (preemption.make_room; never dropped), under a non-preemptive one waiting holders
+   are discarded when nothing runs (release_waiting_kv, below).
+3. Behind a blocked head, under a preemptive policy, a holder that cannot grow (room_for_holder):
+   paused contexts, then holders ranked below it swapped out, then (host full) discarded.
+4. A step in which nothing ran (Admission.finish, preemptive): the blocked head discards waiting
+   holders (release_waiting_kv).
+5. Thrashing avoidance, non-preemptive with agents (thrashing.fit_beside_agents): paused contexts,
+   then other agents' retained histories, only when together they cover the whole shortfall.
+6. A swap-in waiting while nothing runs (Scheduler._plan_swaps): retained histories.
+7. The arrival reserve of a preemptive policy (preemption.keep_reserve): the longest-waiting
+   holders are swapped out proactively, within the step's link budget.
+8. Every step, the interception policy (PausedRequests.plan) preserves, swaps or discards each
+   paused context; retained histories expire on their own (AgentTracker.expire).
+The KV side of each of these is a KVCache verb (segue/kv/interface.py): release, release_retained,
+free, swap_out.
+"""
 from __future__ import annotations
 
-from segue.kv.block_pool import KVBlock
+from segue.kv.interface import PrefixHit
 from segue.request import Request, RequestStatus
 from segue.sched.output import SchedulerOutput
 from segue.sched.preemption import Room, holders_below, make_room, swap_budget_blocks
@@ -19,20 +46,22 @@ def room_for_holder(sched: SchedulerState, holder: Request, num_new: int, out: S
     holders that each need one more block runs nothing but the few with room in their last block
     (simulator, MLFQ at 5 req/s on the InferCept trace: 1-2 running requests, 20 tokens a step,
     0.3 requests finished per second). True when the blocks are free now."""
-    need = sched.kv.num_blocks_needed(holder, num_new)
+    kv = sched.kv
+    need = kv.num_blocks_needed(holder, num_new)
     sched.paused.release_for_memory(need, sched.now)
-    if sched.kv.num_free_blocks >= need:
+    if kv.counters().num_free_blocks >= need:
         return True
     if make_room(sched, holder, need, out) is Room.IN_FLIGHT:
         return False
-    if sched.kv.has_host_tier and sched.kv.num_free_host_blocks >= need - sched.kv.num_free_blocks:
+    pools = kv.counters()
+    if pools.has_host_tier and pools.num_free_host_blocks >= need - pools.num_free_blocks:
         return False  # the host can take them, within a later step's swap budget
     below = holders_below(sched, holder, partly_swapped_in=False)
     for victim in sched.policy.preemption_order(below, sched.now):
-        if sched.kv.num_free_blocks >= need:
+        if kv.counters().num_free_blocks >= need:
             break
         discard(sched, victim)
-    return sched.kv.num_free_blocks >= need
+    return kv.counters().num_free_blocks >= need
 
 
 def discard(sched: SchedulerState, req: Request) -> None:
@@ -53,17 +82,18 @@ def release_waiting_kv(sched: SchedulerState, head: Request, need_blocks: int) -
     resident context in the same step, 3-11 recomputes a run)."""
     if sched.running:
         return False
-    if sched.kv.num_free_blocks + sched.kv.num_swapping_out_blocks >= need_blocks:
+    pools = sched.kv.counters()
+    if pools.num_free_blocks + pools.num_swapping_out_blocks >= need_blocks:
         return False
     freed = False
     # Partly swapped-in requests first (their host prefix is kept; the device part will be
     # recomputed after it), the policy's first victim first, then waiting holders from the back
     # of the queue.
-    partly_in = [r for r in sched.paused.swapped if sched.kv.num_device_blocks_of(r.request_id)]
+    partly_in = [r for r in sched.paused.swapped if sched.kv.held(r.request_id).device]
     holders = (sched.policy.preemption_order(partly_in, sched.now)
                + list(reversed(list(sched.policy.order(sched.waiting_holders(), sched.now)))))
     for req in holders:
-        if req is head or not sched.kv.num_device_blocks_of(req.request_id):
+        if req is head or not sched.kv.held(req.request_id).device:
             continue
         if req.status == RequestStatus.SWAPPED:
             # Its host part continues its device part, so both go (into the caches, where its
@@ -77,12 +107,12 @@ def release_waiting_kv(sched: SchedulerState, head: Request, need_blocks: int) -
         else:
             discard(sched, req)
         freed = True
-        if sched.kv.num_free_blocks >= need_blocks:
+        if sched.kv.counters().num_free_blocks >= need_blocks:
             break
     return freed
 
 
-def load_host_hits(sched: SchedulerState, req: Request, device_hits: list[KVBlock], out: SchedulerOutput) -> bool:
+def load_host_hits(sched: SchedulerState, req: Request, device_hit: PrefixHit, out: SchedulerOutput) -> bool:
     """A request whose prefix goes on past its device hits into the host tier takes those
     host blocks and swaps them in like a resumed swapped-out request (the first chunk now,
     the rest within later steps' swap limits, before it runs) instead of recomputing them.
@@ -92,14 +122,14 @@ def load_host_hits(sched: SchedulerState, req: Request, device_hits: list[KVBloc
     (simulator, Mooncake conversation trace at gptj-6b-a100, reuse-keyed eviction: mean TTFT
     36.7 s without this rule, 33.7 s with it; LRU 34.0 and 33.9 s; BENCHMARKS.md).
     True if it did."""
-    host_hits = sched.kv.get_host_hits(req, len(device_hits))
-    if not host_hits:
+    hit = sched.kv.match_host(req, device_hit)
+    if not hit.num_host_blocks:
         return False
     budget = swap_budget_blocks(sched)
-    free = sched.kv.num_free_blocks - sched.kv.num_free_among(device_hits)
-    if budget <= 0 or free < len(host_hits):
+    free = sched.kv.counters().num_free_blocks - hit.num_free()
+    if budget <= 0 or free < hit.num_host_blocks:
         return False
-    sched.kv.attach_host_hits(req, device_hits, host_hits)
+    sched.kv.attach_host_hit(req, hit)
     if sched.agents is not None:
         sched.agents.on_admitted(req)
     if req.num_cached_tokens < 0:

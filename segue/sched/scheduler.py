@@ -125,15 +125,14 @@ class Scheduler(SchedulerState):
         """The clock moves on: last step's copies are done, expired retained histories go."""
         self.now = now
         self.policy.on_step(now)
-        self.kv.set_clock(now)
-        self.kv.release_swapped_out()
+        self.kv.begin_step(now)
         if self.agents is not None:
             self.agents.expire(now)
 
     def _plan_swaps(self, now: float, out: SchedulerOutput, running_tokens: int, keep_free: int) -> None:
         """Open the step's link budget and spend it first on the paused requests' swaps; the
         requests whose swap-in is done join the waiting queue."""
-        if self.policy.preemptive and self.kv.num_free_blocks > keep_free:
+        if self.policy.preemptive and self.kv.counters().num_free_blocks > keep_free:
             # Swap in first whoever the policy expects to run soonest (no room: no swap-in to order).
             self.paused.swapped[:] = reversed(self.policy.preemption_order(self.paused.swapped, now))
         # One budget for every copy of the step: the paused requests' swaps are planned first,
@@ -146,13 +145,13 @@ class Scheduler(SchedulerState):
             # taking it from retained histories there cascaded, each history loaded back from the
             # host taking the next one's room; pressure preset, real engine.)
             head = self.paused.swapped[0].request_id
-            short = self.kv.num_host_blocks_of(head) + keep_free - self.kv.num_free_blocks
+            short = self.kv.held(head).host + keep_free - self.kv.counters().num_free_blocks
             if short > 0:
                 self.agents.release_for_memory(short, now)
         self.kv.open_link(self.cost.swap_limit(self.last_batch_tokens) // self.kv.block_size)
         plan = self.paused.plan(now, running_tokens, len(self.running), keep_free_blocks=keep_free)
         out.blocks_to_swap_out, out.blocks_to_swap_in = plan.swap_out, plan.swap_in
-        self.kv.open_write_backs(past_budget=self.cost.copy_pays(self.kv.write_back_reuse_rate(), self.kv.block_size))
+        self.kv.open_write_backs(self.cost.copy_pays(self.kv.counters().write_back_reuse_rate, self.kv.block_size))
         for req in plan.ready:
             req.status = RequestStatus.WAITING
             self.waiting.append(req)
@@ -270,7 +269,7 @@ class Scheduler(SchedulerState):
         return params.pause_on_length and req.num_tokens < self.max_model_len
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage(),
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.counters().usage(),
                               self.num_preemptions_total, self.prefix_hit_tokens, self.prefix_query_tokens)
 
     def check_invariants(self) -> None:
@@ -279,23 +278,23 @@ class Scheduler(SchedulerState):
         ids += list(self.paused.paused)
         assert len(ids) == len(set(ids)), "a request is queued twice"
         assert set(ids) == set(self.requests), "queues and the request table disagree"
-        for rid in self.kv.request_ids_with_blocks():
+        for rid in self.kv.holders():
             assert rid in self.requests, f"finished request {rid} still holds KV blocks"
         for req in self.running:
             assert req.status == RequestStatus.RUNNING
-            held = self.kv.num_device_blocks_of(req.request_id)
+            held = self.kv.held(req.request_id).device
             assert held * self.kv.block_size >= req.num_computed_tokens, f"{req.request_id}: KV lost"
         for req in self.waiting:
-            assert not self.kv.has_host_blocks(req.request_id), f"{req.request_id} waits with KV on the host"
-        holders = {r.request_id for r in self.waiting if self.kv.num_device_blocks_of(r.request_id)}
+            assert not self.kv.held(req.request_id).host, f"{req.request_id} waits with KV on the host"
+        holders = {r.request_id for r in self.waiting if self.kv.held(r.request_id).device}
         assert holders == {r.request_id for r in self.waiting_holders()}, "waiting holders misfound"
         for req in self.paused.paused.values():
             assert req.status == RequestStatus.INTERCEPTED and req.interception is not None
         for req in self.paused.swapped:
-            assert req.status == RequestStatus.SWAPPED and self.kv.has_host_blocks(req.request_id)
-        for rid in self.kv.request_ids_on_host():
+            assert req.status == RequestStatus.SWAPPED and self.kv.held(req.request_id).host
+        for rid in self.kv.holders(on_host=True):
             req = self.requests[rid]
             assert req.status in (RequestStatus.INTERCEPTED, RequestStatus.SWAPPED), \
                 f"{rid}: host KV while {req.status}"
-            held = self.kv.num_device_blocks_of(rid) + self.kv.num_host_blocks_of(rid)
+            held = sum(self.kv.held(rid))
             assert held * self.kv.block_size >= req.num_computed_tokens, f"{rid}: KV lost between the tiers"

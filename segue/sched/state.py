@@ -3,9 +3,11 @@ counters. The step's helpers (admission.py, preemption.py) read and change this 
 Scheduler (scheduler.py) subclasses it with the step itself, so the helpers sit below it."""
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Iterable
+
 from segue.config import SchedulerConfig
-from segue.kv.manager import KVCacheManager
-from segue.kv.reuse import ReuseTracker
+from segue.kv.interface import KVCache, KVCounters
 from segue.request import Request, RequestStatus
 from segue.sched.agents import AgentTracker
 from segue.sched.cost_model import CostModel
@@ -16,7 +18,7 @@ from segue.sched.request_queue import RequestQueue
 
 
 class SchedulerState:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: SchedulingPolicy,
+    def __init__(self, config: SchedulerConfig, kv: KVCache, policy: SchedulingPolicy,
                  max_model_len: int, interception: InterceptionPolicy | None = None,
                  cost: CostModel | None = None) -> None:
         self.config = config
@@ -41,33 +43,51 @@ class SchedulerState:
         # Device blocks that this step's swap-outs free for a waiting higher-priority request:
         # the next step's swap-ins must leave them to it.
         self.earmarked_blocks = 0
-        # Expected reuse of finished requests' blocks (prefix_eviction="reuse"); None: plain LRU.
-        self.reuse = ReuseTracker() if config.prefix_eviction == "reuse" else None
-        kv.keyed_reloads = self.reuse is not None
+        # Finished requests' blocks keyed by their expected reuse (prefix_eviction="reuse"), or plain LRU.
+        kv.use_reuse_eviction(config.prefix_eviction == "reuse")
         # Agent identity and histories retained across tool gaps (thrashing avoidance); None: off.
         self.agents = AgentTracker(kv, self.cost) if config.agent_retention else None
 
     def free_finished(self, request: Request) -> None:
-        """Free a finished request's KV; under prefix_eviction="reuse" its cached blocks are
-        keyed by their expected reuse (the chain it continued, shared blocks' own history)."""
+        """Free a finished request's KV, unless its agent's next turn keeps it (retained); under
+        prefix_eviction="reuse" its cached blocks are keyed by their expected reuse (KVCache.finish)."""
         if self.agents is not None and self.agents.on_finish(request, self.now):
             return
-        rid = request.request_id
-        n = self.kv.num_device_blocks_of(rid)
-        if self.reuse is None or n == 0 or self.kv.has_host_blocks(rid):
-            self.kv.free(request)
-            return
-        full = request.block_hashes[:min(n, request.num_computed_tokens // self.kv.block_size)]
-        cls = self.reuse.admit(full, self.now)
-        keys = self.reuse.finish(full, n, cls, self.now, self.cost.t_fwd_extra(self.kv.block_size))
-        self.kv.free(request, keys)
+        self.kv.finish(request, self.now, self.cost.t_fwd_extra(self.kv.block_size))
 
     def waiting_holders(self) -> list[Request]:
         """The waiting requests that hold device KV, found through the KV tables: the pool bounds
         them, while an overloaded waiting queue holds thousands and is scanned by no per-step pass."""
         holders = []
-        for rid in self.kv.request_ids_with_blocks():
+        for rid in self.kv.holders():
             req = self.requests[rid]
             if req.status == RequestStatus.WAITING:
                 holders.append(req)
         return holders
+
+    # ---- what the engine reads and asks of the KV side (it never reaches into kv or paused) ----
+    def kv_counters(self) -> KVCounters:
+        return self.kv.counters()
+
+    def num_held_blocks(self) -> int:
+        """Device blocks in requests' tables: 0 once every request is gone."""
+        return self.kv.num_held_blocks()
+
+    def num_device_blocks_of(self, requests: Iterable[Request]) -> int:
+        return sum(self.kv.held(r.request_id).device for r in requests)
+
+    def paused_kv(self) -> dict[str, tuple[int, int, int]]:
+        """The paused requests per KV disposition: (requests, device blocks, host blocks)."""
+        rows: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+        for rid, req in self.paused.paused.items():
+            assert req.interception is not None  # paused: intercepted
+            row = rows[req.interception.disposition.value]
+            held = self.kv.held(rid)
+            row[0] += 1
+            row[1] += held.device
+            row[2] += held.host
+        return {d: (n, device, host) for d, (n, device, host) in rows.items()}
+
+    def truncate_paused(self, request: Request, keep: int) -> None:
+        """Cut a paused request's context after its first `keep` tokens (PausedRequests.truncate)."""
+        self.paused.truncate(request, keep)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import math
 
-from segue.kv.block_pool import KVBlock
+from segue.kv.interface import PrefixHit
 from segue.request import Request, RequestStatus
 from segue.sched.newcomers import is_overdue
 from segue.sched.state import SchedulerState
@@ -44,12 +44,12 @@ def running_needs(sched: SchedulerState) -> int:
     return sum(still_needed(sched, r) for r in sched.running)
 
 
-def _shortfall(sched: SchedulerState, req: Request, hits: list[KVBlock], committed: int) -> int:
-    """Blocks missing for the rest of the request (hits attached), beside `committed` ones."""
+def _shortfall(sched: SchedulerState, req: Request, hit: PrefixHit, committed: int) -> int:
+    """Blocks missing for the rest of the request (its cached hit attached), beside `committed` ones."""
     kv = sched.kv
     rest = req.num_tokens - req.num_computed_tokens + expected_output(req, kv.block_size)
-    need = kv.num_blocks_needed(req, rest) - len(hits)
-    room = kv.num_free_blocks - kv.num_free_among(hits) - committed
+    need = kv.num_blocks_needed(req, rest) - hit.num_blocks
+    room = kv.counters().num_free_blocks - hit.num_free() - committed
     return need - room
 
 
@@ -71,9 +71,9 @@ def _past_bound(sched: SchedulerState, req: Request, shortfall: int) -> bool:
     return sched.now - req.arrival_time >= bound
 
 
-def fit_beside_agents(sched: SchedulerState, req: Request, hits: list[KVBlock], committed: int,
+def fit_beside_agents(sched: SchedulerState, req: Request, hit: PrefixHit, committed: int,
                       alone: bool) -> Fit:
-    """Whether a waiting request may start now (its cached `hits` attached): one without KV, or
+    """Whether a waiting request may start now (its cached `hit` attached): one without KV, or
     one that holds its context (a session's turn resumed after its tool, whose appended tokens
     and output grow it as much as a plain client's next prompt would). Retained histories are
     released for it when its own history is retained or held, or it is past its bound; a held
@@ -83,7 +83,7 @@ def fit_beside_agents(sched: SchedulerState, req: Request, hits: list[KVBlock], 
     else would ever free memory for it."""
     agents = sched.agents
     assert agents is not None
-    short = _shortfall(sched, req, hits, committed)
+    short = _shortfall(sched, req, hit, committed)
     if alone or short <= 0:
         return Fit.FITS
     overdue = is_overdue(sched, req)
@@ -95,13 +95,13 @@ def fit_beside_agents(sched: SchedulerState, req: Request, hits: list[KVBlock], 
     # All or nothing: a release that leaves the request waiting destroys others' KV for no
     # admission, and the same candidate asks again next step, so it would cascade through every
     # history and paused context while the request still waits for running ones to finish.
-    if (paused or histories) and sched.kv.num_freed_by_release(paused, histories, hits) >= short:
+    if (paused or histories) and sched.kv.num_freed_by_release(paused, histories, hit) >= short:
         # Each release is repeated: a freed block that is one of the hits counts as freed but
         # gives no room. Paused contexts first: they make no progress with their memory.
         while short > 0 and paused and sched.paused.release_for_memory(short, sched.now):
-            short = _shortfall(sched, req, hits, committed)
+            short = _shortfall(sched, req, hit, committed)
         while short > 0 and histories and agents.release_for_memory(short, sched.now, keep=keep):
-            short = _shortfall(sched, req, hits, committed)
+            short = _shortfall(sched, req, hit, committed)
         if short <= 0:
             return Fit.FITS
         past = overdue or _past_bound(sched, req, short)
@@ -123,7 +123,7 @@ def rejoin_resident(sched: SchedulerState, committed: int | None) -> None:
         if req.num_computed_tokens > 0 and len(sched.running) < sched.config.max_num_seqs:
             if committed is not None:
                 need = still_needed(sched, req)
-                if sched.running and need > sched.kv.num_free_blocks - committed:
+                if sched.running and need > sched.kv.counters().num_free_blocks - committed:
                     continue
                 committed += need
             sched.waiting.remove(req)

@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from segue.kv.manager import KVCacheManager, cdiv
+from segue.kv.interface import cdiv
+from segue.kv.manager import KVCacheManager
 from segue.kv.reuse import ReuseTracker
 from segue.request import Request
 from segue.sampling_params import SamplingParams
@@ -82,22 +83,21 @@ class CacheReplay:
         kv.set_clock(now)
         req = Request(f"mc{i}", tokens, self._params, now)
         kv.open_link(_UNLIMITED_LINK)
-        device_hits, _ = kv.get_computed_blocks(req)
-        host_hits = kv.get_host_hits(req, len(device_hits))
+        hit = kv.match_host(req, kv.match(req))
         kv.open_write_backs()
-        if host_hits:
-            kv.attach_host_hits(req, device_hits, host_hits)
-            moved = kv.swap_in_blocks(req, len(host_hits))
-            if kv.num_host_blocks_of(req.request_id):
-                raise AssertionError(f"request {i}: {len(host_hits) - len(moved)} host blocks did not fit")
+        if hit.num_host_blocks:
+            kv.attach_host_hit(req, hit)
+            moved = kv.swap_in(req, hit.num_host_blocks)
+            if moved.on_host:
+                raise AssertionError(f"request {i}: {hit.num_host_blocks - len(moved.copies)} host blocks did not fit")
             grown = kv.allocate_slots(req, len(tokens) - req.num_computed_tokens)
         else:
-            grown = kv.allocate_slots(req, len(tokens) - len(device_hits) * kv.block_size, device_hits)
+            grown = kv.allocate_slots(req, len(tokens) - hit.num_tokens, hit)
         if not grown:
             raise AssertionError(f"request {i}: {len(tokens)} tokens do not fit {self.device_blocks} free blocks")
         unit = TRACE_BLOCK_TOKENS // self.units_per_block
-        res.device_hit_tokens += len(device_hits) * kv.block_size * unit
-        res.host_hit_tokens += len(host_hits) * kv.block_size * unit
+        res.device_hit_tokens += hit.num_tokens * unit
+        res.host_hit_tokens += hit.num_host_blocks * kv.block_size * unit
         req.num_computed_tokens = len(tokens)
         kv.cache_full_blocks(req)
         kv.take_back_ups()
@@ -107,7 +107,7 @@ class CacheReplay:
         else:
             full = req.block_hashes[:len(tokens) // kv.block_size]
             cls = self.tracker.admit(full, now)
-            keys = self.tracker.finish(full, kv.num_device_blocks_of(req.request_id), cls, now,
+            keys = self.tracker.finish(full, kv.held(req.request_id).device, cls, now,
                                        self.block_recompute_s)
             kv.free(req, keys)
         # The write-backs that this request's allocations caused are done by the next lookup.

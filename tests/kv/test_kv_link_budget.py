@@ -144,9 +144,9 @@ def test_a_swap_out_that_copies_nothing_still_makes_the_request_swapped():
     assert kv.allocate_slots(a, 16)
     a.num_computed_tokens = 16
     kv.cache_full_blocks(a)
-    kv.swap_out_blocks(a, 4)
+    kv.swap_out(a, 4)
     kv.release_swapped_out()           # the host copies are published
-    kv.swap_in_blocks(a, 4)            # (the device cache still held them: shared, not copied)
+    kv.swap_in(a, 4)                   # (the device cache still held them: shared, not copied)
     kv.release_swapped_out()           # back on the device; the host tier keeps them cached
     assert kv.num_host_blocks_of("a") == 0 and kv.host.num_cached_free_blocks == 4
     out = SchedulerOutput()
@@ -166,7 +166,7 @@ def test_nothing_running_waits_for_swap_outs_in_flight_before_discarding_a_holde
     assert kv.allocate_slots(paused, 16)
     paused.num_computed_tokens = 16
     kv.open_link(64)
-    assert len(kv.swap_out_blocks(paused, 4)) == 4 and kv.num_swapping_out_blocks == 4
+    assert len(kv.swap_out(paused, 4).copies) == 4 and kv.num_swapping_out_blocks == 4
     holder = Request("holder", list(range(400, 416)), SamplingParams(max_tokens=4), 0.0)
     sched.add_request(holder)
     assert kv.allocate_slots(holder, 16)

@@ -66,14 +66,14 @@ def test_swap_out_takes_the_private_tail_never_a_shared_prefix():
     assert kv.allocate_slots(a, a.num_tokens)
     a.num_computed_tokens = a.num_tokens
     kv.cache_full_blocks(a)
-    hits, _ = kv.get_computed_blocks(b)
-    assert len(hits) == 3 and kv.allocate_slots(b, b.num_tokens - 12, hits)
+    hit = kv.match(b)
+    assert hit.num_blocks == 3 and kv.allocate_slots(b, b.num_tokens - 12, hit)
     table = list(kv.tables["a"])
     assert kv.num_private_blocks_of("a") == 2 and kv.private_device_tokens(a) == 7
-    copies = kv.swap_out_blocks(a, 10)
+    copies = kv.swap_out(a, 10).copies
     assert [d for d, _ in copies] == [b.block_id for b in table[3:]]
     assert kv.tables["a"] == table[:3] and all(blk.ref_cnt == 2 for blk in table[:3])
-    assert kv.num_private_blocks_of("a") == 0 and kv.swap_out_blocks(a, 10) == []
+    assert kv.num_private_blocks_of("a") == 0 and kv.swap_out(a, 10).copies == []
     kv.check_invariants()
 
 

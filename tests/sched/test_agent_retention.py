@@ -36,13 +36,13 @@ def test_retained_context_survives_and_is_hit_by_the_next_turn():
     assert handle is not None and handle.num_blocks == 2 and handle.num_private_blocks() == 2
     assert kv.num_free_blocks == 14 and kv.num_retained_blocks == 2
     nxt = turn("a2", list(range(10)) + [40, 41, 42], 1.0)
-    hits, num_hit = kv.get_computed_blocks(nxt)
-    assert num_hit == 8 and [b.block_id for b in hits] == [b.block_id for b in handle.blocks]
+    hit = kv.match(nxt)
+    assert hit.num_tokens == 8 and hit.block_ids == [b.block_id for b in handle.blocks]
     assert kv.release_retained(handle) == 2
     assert kv.release_retained(handle) == 0  # a second release is a no-op
     kv.check_invariants()
     # Released, the blocks are evictable but still findable.
-    assert kv.get_computed_blocks(turn("a3", list(range(10)), 2.0))[1] == 8
+    assert kv.match(turn("a3", list(range(10)), 2.0)).num_tokens == 8
 
 
 def test_a_turn_that_extends_a_finished_one_belongs_to_its_agent():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from sched_helpers import BS, SLOW, finish, step, turn
 from segue.config import SchedulerConfig
+from segue.kv.interface import NO_HIT
 from segue.kv.manager import KVCacheManager
 from segue.request import RequestStatus
 from segue.sched.interception import make_interception_policy
@@ -36,8 +37,8 @@ def test_a_resident_turn_that_would_still_not_fit_releases_no_other_history():
     b1 = turn("b1", b0.all_token_ids + list(range(400, 460)), now)
     sched.add_request(b1)
     assert sched.agents.is_resident(b1)
-    hits, _ = sched.kv.get_computed_blocks(b1)
-    assert _shortfall(sched, b1, hits, running_needs(sched)) > agent_a.context.num_private_blocks()
+    hit = sched.kv.match(b1)
+    assert _shortfall(sched, b1, hit, running_needs(sched)) > agent_a.context.num_private_blocks()
     for _ in range(4):  # within the bound and past it: waiting or starving, it takes nothing
         assert b1 not in step(sched, now)
         now += 0.1
@@ -59,7 +60,7 @@ def test_a_held_context_that_would_still_not_fit_releases_no_paused_context():
     sched.resume_request(held, list(range(500, 566)), 0.2)
     private = sched.kv.num_private_blocks_of("p")
     assert private > 0
-    assert _shortfall(sched, held, [], running_needs(sched)) > private + sched.kv.num_retained_blocks
+    assert _shortfall(sched, held, NO_HIT, running_needs(sched)) > private + sched.kv.num_retained_blocks
     now = 0.2
     for _ in range(4):
         assert held not in step(sched, now)

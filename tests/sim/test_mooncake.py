@@ -111,7 +111,7 @@ def test_keyed_free_evicts_by_key_and_lru_free_by_age():
     kv.free(reqs[2], [5.0])
     # Three blocks: the free one, then two of the three cached, the furthest expected use first.
     assert kv.allocate_slots(Request("x", [99] * 6, SamplingParams(), 0.0), 6)
-    assert [kv.device.lookup(*kv._block_key(r, 0)) is not None for r in reqs] == [True, False, False]
+    assert [kv.device.lookup(*kv._hasher.key(r, 0)) is not None for r in reqs] == [True, False, False]
     kv.check_invariants()
 
 
