@@ -1,11 +1,15 @@
 """The requests an engine holds, and what its callers do to them between steps.
 
 EngineRequests keeps each request's RequestState beside the scheduler's Request and carries out
-a request's life outside the step: it is added, paused (intercept: a tool call, a human turn),
-resumed with new tokens, aborted or ended; callers pass hints about paused requests and read
-them. LLMEngine (engine.py) is an EngineRequests with a step loop. Requests are made off the
-engine thread by RequestFactory (engine/request_factory.py), the predictors see every arrival,
-pause and resume, and a driver's StepHooks (engine/hooks.py) hear of every prediction and end.
+a request's life: it is added, paused (intercept: a tool call, a human turn), resumed with new
+tokens, stopped, aborted or ended; callers pass hints about paused requests and read them.
+LLMEngine (engine/llm_engine.py) has one and forwards its public methods to it; the step's output
+processing (engine/output_processor.py) decides at stop strings and tool calls and has the
+decision carried out here. Requests are made off the engine thread by RequestFactory
+(engine/request_factory.py). This is the one place that tells the predictors of a request's
+arrival, pause (intercept; the scheduler's own pause at the end of a turn is learnt at resume),
+resume and end, and the one place that calls the scheduler to pause, resume, stop or abort a
+request; a driver's StepHooks (engine/hooks.py) hear of every prediction and end.
 """
 from __future__ import annotations
 
@@ -118,6 +122,21 @@ class EngineRequests:
             req.grammar = previous.resumed(start) if previous is not None else None
         state.detokenizer = IncrementalDetokenizer(self.factory.tokenizer, req.all_token_ids, req.sampling_params)
 
+    def stop(self, request_id: str) -> None:
+        """Finish a running request at a stop string the output processing found (its KV goes
+        back now; retire() follows in the same step)."""
+        self.scheduler.finish_request(self._states[request_id].request, RequestStatus.FINISHED_STOPPED)
+
+    def retire(self, request_id: str, now: float) -> RequestState:
+        """A request finished in this step (by the scheduler, or at a stop string): its timings
+        close, the predictors learn its true length, and it leaves the engine. Returns its state,
+        for its last output."""
+        state = self._states.pop(request_id)
+        state.metrics.finished_time = now
+        self.predictors.on_finish(state.request)
+        self._ended(request_id)
+        return state
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         state = self._states.pop(request_id, None)
         if state is None:
@@ -167,6 +186,13 @@ class EngineRequests:
             state.tool_parser = parser
 
     # ---- what callers may read -----------------------------------------------------------
+    def state(self, request_id: str) -> RequestState:
+        """The engine's side of a request it holds (KeyError if it holds none)."""
+        return self._states[request_id]
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
     def paused_token_ids(self, request_id: str) -> list[int] | None:
         """The token ids a paused request holds (what a continuation extends); None if it is not
         paused."""
