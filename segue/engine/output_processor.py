@@ -12,8 +12,8 @@ Who decides what about a request's token (one owner each):
   EngineRequests (engine/requests.py: intercept, stop, retire);
 - where a paused request's KV lives meanwhile: the scheduler's interception policy
   (segue/sched/interception/).
-Besides: the per-request timings (first scheduled, first token, finished), logprobs, and what
-the output reads at any point (make_output), as vLLM's OutputProcessor does.
+Besides: the per-request timings (first scheduled, first token, finished) and logprobs, as
+vLLM's OutputProcessor does; what an output reads is RequestState.make_output's.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from segue.engine.detokenizer import IncrementalDetokenizer
 from segue.engine.request_state import RequestState
-from segue.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from segue.outputs import RequestOutput, TokenLogprob
 from segue.sched.output import SchedulerOutput
 from segue.sched.request_update import Outcome, RequestUpdate
 
@@ -66,7 +66,7 @@ class OutputProcessor:
             self.requests.retire(req.request_id, now)
         elif update.outcome is Outcome.TURN_END:
             state.turn_end = update.finish_reason
-        return make_output(state)
+        return state.make_output()
 
     def _stop_at_string(self, state: RequestState, stop_str: str) -> RequestUpdate:
         """A stop string ends the turn: the request finishes, or pauses with pause_on_stop."""
@@ -87,21 +87,6 @@ class OutputProcessor:
         if state.tool_parser is not None and state.tool_parser.has_complete_call(state.detokenizer.text):
             _, state.tool_calls = state.tool_parser.find_calls(state.detokenizer.text)
             self.requests.intercept(req.request_id, state.tool_calls[0].name or None, state.expected_tool_s)
-
-
-def make_output(state: RequestState) -> RequestOutput:
-    """What a request's output reads at any point: its text so far, tokens, logprobs, finish or pause."""
-    req = state.request
-    finished = req.is_finished
-    done = finished or state.turn_end is not None
-    text = state.text_before + (state.detokenizer.flush() if done else state.detokenizer.text)
-    reason = req.status.finish_reason or state.turn_end
-    completion = CompletionOutput(0, text, list(req.output_token_ids), reason,
-                                  req.stop_reason, list(state.logprobs) if state.logprobs is not None else None,
-                                  req.num_generated_tokens, state.tool_calls)
-    state.metrics.intercepted_time = req.intercepted_seconds
-    return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, [completion], finished,
-                         state.metrics, max(req.num_cached_tokens, 0), paused=req.interception is not None)
 
 
 def token_logprob(detok: IncrementalDetokenizer, token: int, sample: Any) -> TokenLogprob:

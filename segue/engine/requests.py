@@ -18,7 +18,6 @@ from typing import Any
 
 from segue.engine.detokenizer import IncrementalDetokenizer
 from segue.engine.hooks import StepHooks
-from segue.engine.output_processor import make_output
 from segue.engine.request_factory import RequestFactory
 from segue.engine.request_state import RequestState
 from segue.outputs import RequestOutput
@@ -145,7 +144,7 @@ class EngineRequests:
         self.scheduler.abort_request(request_id)
         self._ended(request_id)
         state.metrics.finished_time = time.monotonic()
-        return make_output(state)
+        return state.make_output()
 
     def finish_request(self, request_id: str, status: RequestStatus, now: float) -> RequestOutput | None:
         """End a request from outside the step (a replayed script outgrew the context window)."""
@@ -156,7 +155,7 @@ class EngineRequests:
         state.metrics.finished_time = now
         self._ended(request_id)
         self.predictors.forget(request_id)
-        return make_output(state)
+        return state.make_output()
 
     # ---- a caller's hints about a paused request (the server's clients) -------------------
     def expect_resume(self, request_id: str, after_s: float) -> bool:

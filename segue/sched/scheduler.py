@@ -3,6 +3,8 @@
 Every request carries `num_computed_tokens`; a step gives each scheduled request the next
 `min(remaining, budget)` of its tokens, so a prompt is prefilled in chunks, a decode is one token,
 and a preempted request recomputes its whole context by the same path.
+update_from_output decides the stops token ids tell and reports each request's fate (which
+decisions are the scheduler's: sched/request_update.py).
 """
 from __future__ import annotations
 
@@ -251,8 +253,8 @@ class Scheduler(SchedulerState):
         return RequestUpdate(req, Outcome.FINISHED, status.finish_reason)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        """The stop condition that `token`, the request's newest token, meets, if any. A stop
-        token wins over a length limit."""
+        """The stop condition `token`, the newest, meets, if any (a stop token before a length
+        limit); a stop token id becomes the request's stop_reason."""
         params = req.sampling_params
         if (not params.ignore_eos and token in req.eos_token_ids) or token in params.stop_token_ids:
             # EOS reads as a plain stop; a stop token id is reported back (OpenAI's stop_reason).
