@@ -8,8 +8,8 @@ Who decides what about a request's token (one owner each):
   asked again);
 - a stop string, and a complete tool call in the detokenized text: OutputProcessor, here; a
   driver's scripted pause (StepHooks.after_token) comes before the tool-call check;
-- carrying such a decision out (one scheduler call; the predictors told of the pause or end):
-  EngineRequests (engine/requests.py: intercept, stop, retire);
+- carrying such a decision out, with one scheduler call to pause or stop and the predictors
+  told of the pause or end: EngineRequests (engine/requests.py: intercept, stop, retire);
 - where a paused request's KV lives meanwhile: the scheduler's interception policy
   (segue/sched/interception/).
 Besides: the per-request timings (first scheduled, first token, finished) and logprobs, as
@@ -17,16 +17,14 @@ vLLM's OutputProcessor does; what an output reads is RequestState.make_output's.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from segue.engine.detokenizer import IncrementalDetokenizer
 from segue.engine.request_state import RequestState
+from segue.engine.requests import EngineRequests
 from segue.outputs import RequestOutput, TokenLogprob
 from segue.sched.output import SchedulerOutput
 from segue.sched.request_update import Outcome, RequestUpdate
-
-if TYPE_CHECKING:
-    from segue.engine.requests import EngineRequests
 
 
 class OutputProcessor:

@@ -126,15 +126,13 @@ class EngineRequests:
         back now; retire() follows in the same step)."""
         self.scheduler.finish_request(self._states[request_id].request, RequestStatus.FINISHED_STOPPED)
 
-    def retire(self, request_id: str, now: float) -> RequestState:
+    def retire(self, request_id: str, now: float) -> None:
         """A request finished in this step (by the scheduler, or at a stop string): its timings
-        close, the predictors learn its true length, and it leaves the engine. Returns its state,
-        for its last output."""
+        close, the predictors learn its true length, and it leaves the engine."""
         state = self._states.pop(request_id)
         state.metrics.finished_time = now
         self.predictors.on_finish(state.request)
         self._ended(request_id)
-        return state
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         state = self._states.pop(request_id, None)
