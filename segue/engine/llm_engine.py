@@ -1,24 +1,28 @@
 """LLMEngine: the synchronous engine, built from its config; the step loop.
 
 One step (step()) is five phases: what hooks have due (a driver's resumes), schedule, execute,
-let the scheduler take the sampled tokens, and turn each new token into an output (detokenize,
-logprobs, stop strings, pauses). What callers do to requests between steps (add, intercept,
-resume, abort, hints) is EngineRequests' (engine/requests.py), which LLMEngine extends; making a
-request from a prompt, safe from any thread, is RequestFactory's (engine/request_factory.py).
-Trace replay and oracle predictions are not here: the simulator plugs them in as StepHooks
+let the scheduler take the sampled tokens and say what happened to each request, and relay that
+through the output processing (engine/output_processor.py: detokenize, logprobs, stop strings,
+tool-call pauses, timings), which also says who owns which decision about a token. An LLMEngine
+has its requests (EngineRequests, engine/requests.py: what callers do to requests between steps,
+add, intercept, resume, abort, hints) and forwards those public methods to it; making a request
+from a prompt, safe from any thread, is RequestFactory's (engine/request_factory.py). Trace
+replay and oracle predictions are not here: the simulator plugs them in as StepHooks
 (engine/hooks.py) and drives the engine through its public methods.
 """
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any
+from typing import Any, Callable, Concatenate, ParamSpec, TypeVar
 
 from segue.config import EngineConfig
 from segue.engine.engine_request import EngineRequest
 from segue.engine.generation_defaults import generation_defaults
+from segue.engine.hooks import StepHooks
 from segue.engine.input_processor import InputProcessor
 from segue.engine.model_info import ModelInfo
-from segue.engine.output_processor import make_output, token_logprob
+from segue.engine.output_processor import OutputProcessor
 from segue.engine.reports import engine_stats, load_report
 from segue.engine.request_factory import RequestFactory
 from segue.engine.request_state import RequestState
@@ -29,17 +33,29 @@ from segue.executor.base import Executor
 from segue.executor.loading import engine_cost_model, load_model
 from segue.outputs import RequestOutput
 from segue.predict import OnlinePredictors
-from segue.request import Request, RequestStatus
 from segue.sampling_params import SamplingParams
 from segue.sched.output import SchedulerOutput
+from segue.sched.request_update import RequestUpdate
 from segue.sched.step_charge import step_seconds
 from segue.sched.waste import WasteMeter
 from segue.tools.stats import DurationStats
 
 logger = logging.getLogger(__name__)
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
-class LLMEngine(EngineRequests):
+
+def _to_requests(method: Callable[Concatenate[EngineRequests, _P], _R]) -> Callable[Concatenate[LLMEngine, _P], _R]:
+    """An LLMEngine method that is its EngineRequests' `method`: same signature and docstring,
+    written once (in engine/requests.py)."""
+    @functools.wraps(method)
+    def forward(self: LLMEngine, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return method(self.requests, *args, **kwargs)
+    return forward
+
+
+class LLMEngine:
     """Synchronous engine. Not thread-safe: AsyncLLMEngine owns one and drives it from a thread."""
 
     def __init__(self, config: EngineConfig, executor: Executor | None = None,
@@ -71,8 +87,51 @@ class LLMEngine(EngineRequests):
         self.info = ModelInfo(self.model_name, max_model_len, model_config.vocab_size, chat_template,
                               tokenizer, dict(self.generation_defaults))
         self.inputs = InputProcessor(self.info)
-        factory = RequestFactory(self.inputs, tokenizer, model_config, max_model_len)
-        super().__init__(factory, scheduler, predictors, tool_stats, max_model_len)
+        self.factory = RequestFactory(self.inputs, tokenizer, model_config, max_model_len)
+        self.scheduler = scheduler
+        self.predictors = predictors
+        self.tool_stats = tool_stats
+        self.max_model_len = max_model_len
+        self.requests = EngineRequests(self.factory, scheduler, predictors, tool_stats, max_model_len)
+        self.output = OutputProcessor(self.requests)
+
+    # ---- what callers do to requests between steps: EngineRequests' (engine/requests.py) --
+    add_prepared = _to_requests(EngineRequests.add_prepared)
+    add_request = _to_requests(EngineRequests.add_request)
+    intercept = _to_requests(EngineRequests.intercept)
+    resume = _to_requests(EngineRequests.resume)
+    abort_request = _to_requests(EngineRequests.abort_request)
+    finish_request = _to_requests(EngineRequests.finish_request)
+    expect_resume = _to_requests(EngineRequests.expect_resume)
+    abandon = _to_requests(EngineRequests.abandon)
+    set_latency_sensitive = _to_requests(EngineRequests.set_latency_sensitive)
+    set_tool_parser = _to_requests(EngineRequests.set_tool_parser)
+    paused_token_ids = _to_requests(EngineRequests.paused_token_ids)
+    unfinished_request_ids = _to_requests(EngineRequests.unfinished_request_ids)
+    has_unfinished_requests = _to_requests(EngineRequests.has_unfinished_requests)
+    check_invariants = _to_requests(EngineRequests.check_invariants)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.requests.num_unfinished_requests
+
+    @property
+    def hooks(self) -> StepHooks | None:
+        """A driver's part in the loop (the simulator's trace replay); None when serving."""
+        return self.requests.hooks
+
+    @hooks.setter
+    def hooks(self, hooks: StepHooks | None) -> None:
+        self.requests.hooks = hooks
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The engine's clock (time.monotonic; the simulator's virtual clock)."""
+        return self.requests.clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self.requests.clock = clock
 
     # ---- the model and making requests (safe from any thread) ----------------------------
     def model_info(self) -> ModelInfo:
@@ -128,25 +187,17 @@ class LLMEngine(EngineRequests):
         # A step that only preempted changed what the next one can admit: not idle (drivers that
         # wait for an event when idle would otherwise see a deadlock that is not there).
         self.last_step_idle = out.is_empty and not out.preempted and not ended
-        self._count_preemptions(out)
+        self.output.on_scheduled(out, now)
         if out.is_empty:
             return ended
-        self._mark_scheduled(out, now)
         try:
             sampled, step_s = self._execute(out)
         except Exception:
             # A failing batch must not take the engine down: fail its requests, keep serving.
             logger.exception("executor failed; aborting the %d requests in this batch", len(out.seqs))
             return [o for o in (self.abort_request(s.request.request_id) for s in out.seqs) if o]
-        got_token = self._update(out, sampled, step_s)
-        now = self.clock()
-        return ended + [self._process_token(req, sampled, now) for req in got_token]
-
-    def _mark_scheduled(self, out: SchedulerOutput, now: float) -> None:
-        for seq in out.seqs:
-            state = self._states[seq.request.request_id]
-            if state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = now
+        updates = self._update(out, sampled, step_s)
+        return ended + self.output.process(updates, sampled, self.clock())
 
     def _execute(self, out: SchedulerOutput) -> tuple[dict[str, Any], float]:
         """The sampled token per request, and the seconds the executor took."""
@@ -155,60 +206,15 @@ class LLMEngine(EngineRequests):
         sampled = self.executor.execute(out)
         return sampled, self.clock() - t0
 
-    def _update(self, out: SchedulerOutput, sampled: dict[str, Any], step_s: float) -> list[Request]:
-        """The scheduler takes the sampled tokens; the requests that got one."""
+    def _update(self, out: SchedulerOutput, sampled: dict[str, Any], step_s: float) -> list[RequestUpdate]:
+        """The scheduler takes the sampled tokens; what happened to each request that got one."""
         self.num_steps += 1
         self.step_seconds += step_s
         self.modelled_step_seconds += step_seconds(self.scheduler.cost, out, self.scheduler.kv.block_size)[0]
         self.predictors.on_sampled(out.seqs, sampled)
-        got_token = self.scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
+        updates = self.scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
         self._record_waste(out, step_s)
-        return got_token
-
-    def _process_token(self, req: Request, sampled: dict[str, Any], now: float) -> RequestOutput:
-        state = self._states[req.request_id]
-        token = req.output_token_ids[-1]
-        if state.metrics.first_token_time is None:
-            state.metrics.first_token_time = now
-        stop_str = state.detokenizer.append(token)
-        if state.logprobs is not None:
-            state.logprobs.append(token_logprob(state.detokenizer, token, sampled[req.request_id]))
-        if stop_str is not None and not req.is_finished and req.interception is None:
-            self._stop_at_string(req, stop_str)
-        if req.is_finished:
-            self._finished(state, now)
-        elif req.interception is not None:
-            # Only the end of a turn pauses a request inside update_from_output (or at a stop
-            # string): a stop (token or string), or max_tokens.
-            status = self.scheduler.stop_status(req, token)
-            state.turn_end = "length" if status is RequestStatus.FINISHED_LENGTH else "stop"
-        elif not (self.hooks is not None and self.hooks.after_token(req.request_id, req.num_generated_tokens, now)):
-            self._intercept_tool_call(state)
-        return make_output(state)
-
-    def _stop_at_string(self, req: Request, stop_str: str) -> None:
-        req.stop_reason = stop_str
-        if req.sampling_params.pause_on_stop:
-            self.intercept(req.request_id, turn_end=True)
-        else:
-            self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
-
-    def _finished(self, state: RequestState, now: float) -> None:
-        state.metrics.finished_time = now
-        self.predictors.on_finish(state.request)
-        del self._states[state.request.request_id]
-        self._ended(state.request.request_id)
-
-    def _intercept_tool_call(self, state: RequestState) -> None:
-        """Pause at a complete tool call in the output: the caller runs the tool and resumes."""
-        if state.tool_parser is not None and state.tool_parser.has_complete_call(state.detokenizer.text):
-            _, state.tool_calls = state.tool_parser.find_calls(state.detokenizer.text)
-            self.intercept(state.request.request_id, state.tool_calls[0].name or None, state.expected_tool_s)
-
-    def _count_preemptions(self, out: SchedulerOutput) -> None:
-        for req in out.preempted:
-            if req.request_id in self._states:
-                self._states[req.request_id].metrics.num_preemptions = req.num_preemptions
+        return updates
 
     def _record_waste(self, out: SchedulerOutput, step_s: float) -> None:
         running_blocks = self.scheduler.num_device_blocks_of(s.request for s in out.seqs)

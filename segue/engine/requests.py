@@ -1,11 +1,15 @@
 """The requests an engine holds, and what its callers do to them between steps.
 
 EngineRequests keeps each request's RequestState beside the scheduler's Request and carries out
-a request's life outside the step: it is added, paused (intercept: a tool call, a human turn),
-resumed with new tokens, aborted or ended; callers pass hints about paused requests and read
-them. LLMEngine (engine.py) is an EngineRequests with a step loop. Requests are made off the
-engine thread by RequestFactory (engine/request_factory.py), the predictors see every arrival,
-pause and resume, and a driver's StepHooks (engine/hooks.py) hear of every prediction and end.
+a request's life: it is added, paused (intercept: a tool call, a human turn), resumed with new
+tokens, stopped, aborted or ended; callers pass hints about paused requests and read them.
+LLMEngine (engine/llm_engine.py) has one and forwards its public methods to it; the step's output
+processing (engine/output_processor.py) decides at stop strings and tool calls and has the
+decision carried out here. Requests are made off the engine thread by RequestFactory
+(engine/request_factory.py). This is the one place that tells the predictors of a request's
+arrival, pause (intercept; the scheduler's own pause at the end of a turn is learnt at resume),
+resume and end, and the one place that calls the scheduler to pause, resume, stop or abort a
+request; a driver's StepHooks (engine/hooks.py) hear of every prediction and end.
 """
 from __future__ import annotations
 
@@ -15,7 +19,6 @@ from typing import Any
 from segue.engine.detokenizer import IncrementalDetokenizer
 from segue.engine.engine_request import EngineRequest
 from segue.engine.hooks import StepHooks
-from segue.engine.output_processor import make_output
 from segue.engine.request_factory import RequestFactory
 from segue.engine.request_state import RequestState
 from segue.outputs import RequestOutput
@@ -116,6 +119,19 @@ class EngineRequests:
             req.grammar = previous.resumed(start) if previous is not None else None
         state.detokenizer = IncrementalDetokenizer(self.factory.tokenizer, req.all_token_ids, req.sampling_params)
 
+    def stop(self, request_id: str) -> None:
+        """Finish a running request at a stop string the output processing found (its KV goes
+        back now; retire() follows in the same step)."""
+        self.scheduler.finish_request(self._states[request_id].request, RequestStatus.FINISHED_STOPPED)
+
+    def retire(self, request_id: str, now: float) -> None:
+        """A request finished in this step (by the scheduler, or at a stop string): its timings
+        close, the predictors learn its true length, and it leaves the engine."""
+        state = self._states.pop(request_id)
+        state.metrics.finished_time = now
+        self.predictors.on_finish(state.request)
+        self._ended(request_id)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         state = self._states.pop(request_id, None)
         if state is None:
@@ -124,7 +140,7 @@ class EngineRequests:
         self.scheduler.abort_request(request_id)
         self._ended(request_id)
         state.metrics.finished_time = time.monotonic()
-        return make_output(state)
+        return state.make_output()
 
     def finish_request(self, request_id: str, status: RequestStatus, now: float) -> RequestOutput | None:
         """End a request from outside the step (a replayed script outgrew the context window)."""
@@ -135,7 +151,7 @@ class EngineRequests:
         state.metrics.finished_time = now
         self._ended(request_id)
         self.predictors.forget(request_id)
-        return make_output(state)
+        return state.make_output()
 
     # ---- a caller's hints about a paused request (the server's clients) -------------------
     def expect_resume(self, request_id: str, after_s: float) -> bool:
@@ -159,6 +175,13 @@ class EngineRequests:
         return state is not None
 
     # ---- what callers may read -----------------------------------------------------------
+    def state(self, request_id: str) -> RequestState:
+        """The engine's side of a request it holds (KeyError if it holds none)."""
+        return self._states[request_id]
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
     def paused_token_ids(self, request_id: str) -> list[int] | None:
         """The token ids a paused request holds (what a continuation extends); None if it is not
         paused."""

@@ -3,6 +3,8 @@
 Every request carries `num_computed_tokens`; a step gives each scheduled request the next
 `min(remaining, budget)` of its tokens, so a prompt is prefilled in chunks, a decode is one token,
 and a preempted request recomputes its whole context by the same path.
+update_from_output decides the stops token ids tell and reports each request's fate (which
+decisions are the scheduler's: sched/request_update.py).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from segue.request import Request, RequestStatus
 from segue.sched.admission import admit_waiting
 from segue.sched.output import ScheduledSeq, SchedulerOutput
 from segue.sched.preemption import keep_reserve
+from segue.sched.request_update import Outcome, RequestUpdate
 from segue.sched.state import SchedulerState
 from segue.sched.thrashing import rejoin_resident, running_needs
 
@@ -212,13 +215,13 @@ class Scheduler(SchedulerState):
             ))
             self.policy.on_scheduled(req, num_new, now)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[RequestUpdate]:
         """Advance progress, append sampled tokens, and finish requests that hit a stop
         condition the scheduler can see (EOS, stop token ids, max_tokens, context length); with
         pause_on_stop, EOS and stop tokens pause the request instead, with pause_on_length so does
-        max_tokens (the context window still finishes). Returns the requests that received a token
-        this step."""
-        got_token = []
+        max_tokens (the context window still finishes). Returns what happened to each request
+        that received a token this step, in step order."""
+        updates = []
         self.last_step_recompute_tokens = 0
         for seq in out.seqs:
             req = seq.request
@@ -233,32 +236,33 @@ class Scheduler(SchedulerState):
                 continue
             token = sampled[req.request_id]
             req.output_token_ids.append(token)
-            got_token.append(req)
-            status = self._check_stop(req, token)
-            if status is not None and self._pauses_at(req, status):
-                # The turn ended but the conversation goes on: keep the context for the next turn.
-                self.intercept_request(req, self.now, turn_end=True)
-            elif status is not None:
-                self.finish_request(req, status)
-        return got_token
+            updates.append(self._end_of_token(req, token))
+        return updates
 
-    def stop_status(self, req: Request, token: int) -> RequestStatus | None:
-        """The stop condition that `token`, the request's newest token, meets, if any (no side
-        effects, so the engine can ask why a request paused). A stop token wins over a length limit."""
+    def _end_of_token(self, req: Request, token: int) -> RequestUpdate:
+        """Finish or pause `req` if `token`, its newest, ends it or its turn."""
+        status = self._check_stop(req, token)
+        if status is None:
+            return RequestUpdate(req, Outcome.RUNNING)
+        if self._pauses_at(req, status):
+            # The turn ended but the conversation goes on: keep the context for the next turn.
+            self.intercept_request(req, self.now, turn_end=True)
+            return RequestUpdate(req, Outcome.TURN_END, status.finish_reason)
+        self.finish_request(req, status)
+        return RequestUpdate(req, Outcome.FINISHED, status.finish_reason)
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        """The stop condition `token`, the newest, meets, if any (a stop token before a length
+        limit); a stop token id becomes the request's stop_reason."""
         params = req.sampling_params
         if (not params.ignore_eos and token in req.eos_token_ids) or token in params.stop_token_ids:
+            # EOS reads as a plain stop; a stop token id is reported back (OpenAI's stop_reason).
+            eos = not params.ignore_eos and token in req.eos_token_ids
+            req.stop_reason = None if eos else token
             return RequestStatus.FINISHED_STOPPED
         if req.num_generated_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        status = self.stop_status(req, token)
-        if status is RequestStatus.FINISHED_STOPPED:
-            # EOS reads as a plain stop; a stop token id is reported back (OpenAI's stop_reason).
-            eos = not req.sampling_params.ignore_eos and token in req.eos_token_ids
-            req.stop_reason = None if eos else token
-        return status
 
     def _pauses_at(self, req: Request, status: RequestStatus) -> bool:
         """Whether this end of a turn pauses the request (more turns to come) instead of finishing it."""

@@ -121,7 +121,7 @@ def test_no_step_copies_more_than_the_link_budget_under_load():
         now += 0.01
         out, got = checked_step(sched, ex, now)
         kinds.update(k for k in ("blocks_to_swap_in", "blocks_to_swap_out", "blocks_to_back_up") if getattr(out, k))
-        for r in got:
+        for r in (u.request for u in got):
             if not r.is_finished and r.status is RequestStatus.RUNNING and rng.random() < 0.15:
                 sched.intercept_request(r, now)
         for r in list(sched.paused.paused.values()):

@@ -62,7 +62,7 @@ def test_random_pauses_and_resumes_keep_kv_correct(seed, policy, num_blocks, hos
         out = sched.schedule(now)
         sampled = ex.execute(out)
         got = sched.update_from_output(out, sampled)
-        for req in got:
+        for req in (u.request for u in got):
             if req.is_finished or req.num_generated_tokens not in plans[req.request_id]:
                 continue
             k = pauses_done[req.request_id]

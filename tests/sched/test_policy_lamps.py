@@ -19,6 +19,7 @@ from segue.sched.interception.min_waste import MinWastePolicy
 from segue.sched.paused import PausedRequests
 from segue.sched.policies import PolicyContext, make_policy
 from segue.sched.policies.lamps import LAMPSPolicy
+from segue.sched.request_update import RequestUpdate
 from segue.sched.scheduler import Scheduler
 
 # Round numbers: T_fwd(n) = (n + 10) ms, so t_fwd_extra(n) = n ms; T_swap(n) = n ms; M = 1 byte,
@@ -160,7 +161,7 @@ def make_sched(num_blocks: int, budget: int, max_seqs: int, interception: str = 
                      max_model_len=num_blocks * 4, interception=make_interception_policy(interception), cost=cost)
 
 
-def step(sched: Scheduler, now: float) -> list[Request]:
+def step(sched: Scheduler, now: float) -> list[RequestUpdate]:
     out = sched.schedule(now)
     sampled = {s.request.request_id: 1 for s in out.seqs if s.sample}
     got = sched.update_from_output(out, sampled)
@@ -340,7 +341,7 @@ def test_random_workload_with_pauses_keeps_invariants_and_outputs(seed, intercep
             sched.resume_request(item[1], item[2], now)
         out = sched.schedule(now)
         got = sched.update_from_output(out, ex.execute(out))
-        for req in got:
+        for req in (u.request for u in got):
             if req.is_finished or req.num_generated_tokens not in plans[req.request_id]:
                 continue
             k = pauses[req.request_id]

@@ -363,7 +363,7 @@ def test_random_mlfq_runs_keep_kv_correct(seed, num_blocks, host_blocks, interce
         assert all(now - e.last_served < limit - 1e-9 for e in sched.policy.entries.values()
                    if e.level > 0 and not e.paused)
         got = sched.update_from_output(out, ex.execute(out))
-        for r in got:
+        for r in (u.request for u in got):
             if r.is_finished or r.num_generated_tokens not in plans[r.request_id]:
                 continue
             k = pauses_done[r.request_id]
