@@ -105,7 +105,6 @@ class LLMEngine:
     expect_resume = _to_requests(EngineRequests.expect_resume)
     abandon = _to_requests(EngineRequests.abandon)
     set_latency_sensitive = _to_requests(EngineRequests.set_latency_sensitive)
-    set_tool_parser = _to_requests(EngineRequests.set_tool_parser)
     paused_token_ids = _to_requests(EngineRequests.paused_token_ids)
     unfinished_request_ids = _to_requests(EngineRequests.unfinished_request_ids)
     has_unfinished_requests = _to_requests(EngineRequests.has_unfinished_requests)
