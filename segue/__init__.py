@@ -25,7 +25,11 @@ def __getattr__(name: str):
     if name == "LLMEngine":
         from segue.engine.llm_engine import LLMEngine
         return LLMEngine
+    if name in ("EngineRequest", "RequestHints"):
+        # What AsyncLLMEngine.generate and LLMEngine.add_request take.
+        from segue.engine import engine_request
+        return getattr(engine_request, name)
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "AsyncLLMEngine", "LLMEngine", "SamplingParams", "__version__"]
+__all__ = ["LLM", "AsyncLLMEngine", "LLMEngine", "EngineRequest", "RequestHints", "SamplingParams", "__version__"]
