@@ -214,9 +214,12 @@ class ProgramExecutor:
         call.times["launched"] = time.monotonic()
         try:
             final: RequestOutput | None = None
+            # The deduced task group goes with the call: a pool places a group's calls side by side
+            # (Parrot's task groups); one engine ignores it.
             hints = dataclasses.replace(program.hints, priority=call.priority or 0,
                                         program_id=scoped_program_id(program.owner, program.id),
-                                        latency_sensitive=call.criteria != Criteria.THROUGHPUT.value)
+                                        latency_sensitive=call.criteria != Criteria.THROUGHPUT.value,
+                                        task_group=call.task_group)
             async for out in self.engine.generate(EngineRequest(prompt, params, call.id, hints=hints)):
                 released.set()  # the first output comes after the prompt's KV is computed and cached
                 final = out

@@ -400,12 +400,14 @@ class _HoldingEngine:
         import asyncio
         self.release = asyncio.Event()
         self.sent: dict[str, bool] = {}
+        self.groups: dict[str, str | None] = {}
         self.updates: list[tuple[str, bool]] = []
 
     async def generate(self, request: Any) -> Any:
         from types import SimpleNamespace
         request_id = request.request_id
         self.sent[request_id] = request.hints.latency_sensitive
+        self.groups[request_id] = request.hints.task_group
         await self.release.wait()
         yield SimpleNamespace(finished=True, prompt_token_ids=[1], num_cached_tokens=0,
                               outputs=[SimpleNamespace(finish_reason="length", text=f"out-{request_id}")])
@@ -443,5 +445,37 @@ def test_launched_map_calls_learn_they_are_a_throughput_task_group() -> None:
         await asyncio.wait_for(reduce.task, 5)
         assert engine.sent[reduce.id] is True
         return engine
+
+    asyncio.run(run())
+
+
+def test_map_calls_reach_the_engine_with_their_task_group() -> None:
+    """Maps whose reduce is known when they launch carry its task group to the engine, which a pool
+    uses to place them side by side (cluster/affinity_router.py); the reduce itself has none."""
+    import asyncio
+
+    from segue.program.executor import ProgramExecutor
+    from segue.program.state import CallSpec
+    from segue.sampling_params import SamplingParams
+
+    async def run() -> None:
+        engine = _HoldingEngine()
+        ex = ProgramExecutor(engine, share_prefix=False)
+        program = ex.create_program(None)
+        params = SamplingParams(max_tokens=4)
+        maps = [ex.submit(None, program.id, CallSpec(Template.parse(f"M{i} {{{{input:c}}}}:{{{{output:s{i}}}}}"), {},
+                                                     params, literals={"c": f"chunk {i}"}))
+                for i in range(3)]
+        # Submitted before any map runs: the graph already shows the maps feed one consumer.
+        reduce = ex.submit(None, program.id,
+                           CallSpec(Template.parse("R {{input:s0}} {{input:s1}} {{input:s2}}:{{output:f}}"),
+                                    {f"s{i}": m.output.id for i, m in enumerate(maps)}, params),
+                           criteria=Criteria.LATENCY)
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert engine.groups == {m.id: reduce.id for m in maps}
+        engine.release.set()
+        await asyncio.wait_for(reduce.task, 5)
+        assert engine.groups[reduce.id] is None
 
     asyncio.run(run())
