@@ -68,7 +68,7 @@ def run_to_completion(engine: LLMEngine, check: bool = True, max_steps: int = 10
         steps += 1
         assert steps < max_steps, "engine made no progress"
     if check:
-        assert engine.scheduler.kv.num_held_blocks() == 0, "KV blocks leaked"
+        assert engine.scheduler.state.kv.num_held_blocks() == 0, "KV blocks leaked"
     return finished
 
 

@@ -148,7 +148,7 @@ def install_script(engine: AsyncLLMEngine) -> ScriptedModel:
 
 def engine_stats(engine: AsyncLLMEngine) -> tuple[int, int]:
     """(KV blocks held, unfinished requests)."""
-    return on_engine(engine, lambda e: (e.scheduler.kv.num_held_blocks(), e.num_unfinished_requests))
+    return on_engine(engine, lambda e: (e.scheduler.state.kv.num_held_blocks(), e.num_unfinished_requests))
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
@@ -165,7 +165,7 @@ def wait_idle(engine: AsyncLLMEngine, timeout: float = 10.0) -> None:
 
 
 def num_paused(engine: AsyncLLMEngine) -> int:
-    return on_engine(engine, lambda e: len(e.scheduler.paused.paused))
+    return on_engine(engine, lambda e: len(e.scheduler.state.paused.paused))
 
 
 def shutdown(engine: AsyncLLMEngine) -> None:

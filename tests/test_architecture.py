@@ -264,7 +264,7 @@ BLOCK_INTERNALS = {"ref_cnt", "heap_seq", "reuse_at"}  # a KVBlock's bookkeeping
 
 
 def _names_kv_manager(node: ast.expr) -> bool:
-    """`kv`, `self.kv`, `sched.kv`, `engine.scheduler.kv`: how segue refers to its KV manager."""
+    """`kv`, `self.kv`, `sched.kv`, `engine.scheduler.state.kv`: how segue refers to its KV manager."""
     return (isinstance(node, ast.Name) and node.id == "kv") or (isinstance(node, ast.Attribute) and node.attr == "kv")
 
 

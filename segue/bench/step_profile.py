@@ -45,11 +45,11 @@ def run(args: argparse.Namespace) -> int:
         engine.add_request(EngineRequest(prompt, SamplingParams(max_tokens=args.steps + 8, ignore_eos=True,
                                                                 **sampling)))
     needed = args.num_requests * (args.prompt_len + args.steps + 8)
-    pool = engine.scheduler.kv_counters().num_blocks * engine.scheduler.kv.block_size
+    pool = engine.scheduler.state.kv_counters().num_blocks * engine.scheduler.state.kv.block_size
     if needed > pool:
         raise SystemExit(f"the batch needs {needed} KV tokens but the pool holds {pool}: "
                          f"pass --kv-cache-tokens {needed}")
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.state.requests.values()):
         engine.step()
     for _ in range(2):
         engine.step()

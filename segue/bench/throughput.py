@@ -58,7 +58,7 @@ def run_segue_batch(engine: Any, prompts: list[list[int]], output_len: int) -> d
     from segue.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    steps0, preempt0 = engine.num_steps, engine.scheduler.num_preemptions_total
+    steps0, preempt0 = engine.num_steps, engine.scheduler.state.num_preemptions_total
     with tqdm(total=len(prompts) * output_len, desc="segue batch", unit="tok", file=sys.stderr) as bar:
         start = time.monotonic()
         for prompt in prompts:
@@ -68,7 +68,7 @@ def run_segue_batch(engine: Any, prompts: list[list[int]], output_len: int) -> d
     records = [RequestRecord.from_output(o) for o in finished]
     result = summarize(records, duration).to_dict()
     result["engine_steps"] = engine.num_steps - steps0
-    result["preemptions"] = engine.scheduler.num_preemptions_total - preempt0
+    result["preemptions"] = engine.scheduler.state.num_preemptions_total - preempt0
     return result
 
 

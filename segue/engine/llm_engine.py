@@ -163,15 +163,15 @@ class LLMEngine:
 
     # ---- what callers may read of the engine ---------------------------------------------
     def stats(self) -> EngineStats:
-        return engine_stats(self.scheduler, self.waste, self.num_steps, self.tool_stats, self.predictors,
+        return engine_stats(self.scheduler.state, self.waste, self.num_steps, self.tool_stats, self.predictors,
                             (self.step_seconds, self.modelled_step_seconds))
 
     def load_report(self) -> LoadReport:
-        return load_report(self.scheduler)
+        return load_report(self.scheduler.state)
 
     def num_held_blocks(self) -> int:
         """KV blocks held by requests (running, waiting with blocks, paused): 0 once all are gone."""
-        return self.scheduler.num_held_blocks()
+        return self.scheduler.state.num_held_blocks()
 
     def next_timer(self) -> float | None:
         """When the hooks next act on their own, e.g. a scripted pause ends (an idle loop may
@@ -209,14 +209,16 @@ class LLMEngine:
         """The scheduler takes the sampled tokens; what happened to each request that got one."""
         self.num_steps += 1
         self.step_seconds += step_s
-        self.modelled_step_seconds += step_seconds(self.scheduler.cost, out, self.scheduler.kv.block_size)[0]
+        state = self.scheduler.state
+        self.modelled_step_seconds += step_seconds(state.cost, out, state.kv.block_size)[0]
         self.predictors.on_sampled(out.seqs, sampled)
         updates = self.scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
         self._record_waste(out, step_s)
         return updates
 
     def _record_waste(self, out: SchedulerOutput, step_s: float) -> None:
-        running_blocks = self.scheduler.num_device_blocks_of(s.request for s in out.seqs)
-        self.waste.record_step(step_s, self.scheduler.paused.held_device_blocks(), running_blocks,
-                               self.scheduler.last_step_recompute_tokens, out.num_batched_tokens,
+        state = self.scheduler.state
+        running_blocks = state.num_device_blocks_of(s.request for s in out.seqs)
+        self.waste.record_step(step_s, state.paused.held_device_blocks(), running_blocks,
+                               state.last_step_recompute_tokens, out.num_batched_tokens,
                                getattr(self.executor, "last_swap_seconds", 0.0))

@@ -1,23 +1,23 @@
 """Reading an engine's queues and pools for its callers: the stats snapshot behind /metrics and
-the load report a router reads. The engine's side of EngineClient.get_stats, so that nothing
-above the engine reads the scheduler."""
+the load report a router reads, both read off the scheduler's state (Scheduler.state). The
+engine's side of EngineClient.get_stats, so that nothing above the engine reads the scheduler."""
 from __future__ import annotations
 
 from segue.engine.stats import EngineStats, LoadReport, PausedKV
 from segue.predict import OnlinePredictors
-from segue.sched.scheduler import Scheduler
+from segue.sched.state import SchedulerState
 from segue.sched.waste import WasteMeter
 from segue.tools.stats import DurationStats
 
 
-def load_report(s: Scheduler) -> LoadReport:
+def load_report(s: SchedulerState) -> LoadReport:
     """Safe off the engine thread without a lock: each len() is atomic under the GIL, the set of
     them may be one step apart, which is fine for a routing hint."""
     pools = s.kv_counters()
     return LoadReport(len(s.running), len(s.waiting), len(s.paused.paused), pools.num_used_blocks, pools.num_blocks)
 
 
-def engine_stats(s: Scheduler, waste: WasteMeter, num_steps: int, tool_stats: DurationStats,
+def engine_stats(s: SchedulerState, waste: WasteMeter, num_steps: int, tool_stats: DurationStats,
                  predictors: OnlinePredictors, step_seconds: tuple[float, float] = (0.0, 0.0)) -> EngineStats:
     """On the engine thread, between steps: one consistent snapshot."""
     pools = s.kv_counters()

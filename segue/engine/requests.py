@@ -202,7 +202,7 @@ class EngineRequests:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
-        assert set(self._states) == set(self.scheduler.requests), "engine and scheduler disagree"
+        assert set(self._states) == set(self.scheduler.state.requests), "engine and scheduler disagree"
 
     # ---- hooks ---------------------------------------------------------------------------
     def _predicted(self, req: Request) -> None:

@@ -1,6 +1,7 @@
 """What the scheduler knows between steps: its queues, the KV manager, the policies and the
-counters. The step's helpers (admission.py, preemption.py) read and change this state; the
-Scheduler (scheduler.py) subclasses it with the step itself, so the helpers sit below it."""
+counters. The step's helpers (admission.py, preemption.py, ...) read and change this state; the
+Scheduler (scheduler.py) has it as `Scheduler.state` and adds the step and the verbs, so the
+helpers sit below the Scheduler and callers read queues and counters here."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -65,7 +66,7 @@ class SchedulerState:
                 holders.append(req)
         return holders
 
-    # ---- what the engine reads and asks of the KV side (it never reaches into kv or paused) ----
+    # ---- what the engine reads of the KV side (it never reaches into kv or paused) -----------
     def kv_counters(self) -> KVCounters:
         return self.kv.counters()
 
@@ -88,6 +89,30 @@ class SchedulerState:
             row[2] += held.host
         return {d: (n, device, host) for d, (n, device, host) in rows.items()}
 
-    def truncate_paused(self, request: Request, keep: int) -> None:
-        """Cut a paused request's context after its first `keep` tokens (PausedRequests.truncate)."""
-        self.paused.truncate(request, keep)
+    def check_invariants(self) -> None:
+        """The queues, the request table and the KV tables agree (tests, and the engine's own check)."""
+        self.kv.check_invariants()
+        ids = [r.request_id for r in [*self.running, *self.waiting, *self.paused.swapped, *self.paused.landing]]
+        ids += list(self.paused.paused)
+        assert len(ids) == len(set(ids)), "a request is queued twice"
+        assert set(ids) == set(self.requests), "queues and the request table disagree"
+        for rid in self.kv.holders():
+            assert rid in self.requests, f"finished request {rid} still holds KV blocks"
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING
+            held = self.kv.held(req.request_id).device
+            assert held * self.kv.block_size >= req.num_computed_tokens, f"{req.request_id}: KV lost"
+        for req in self.waiting:
+            assert not self.kv.held(req.request_id).host, f"{req.request_id} waits with KV on the host"
+        holders = {r.request_id for r in self.waiting if self.kv.held(r.request_id).device}
+        assert holders == {r.request_id for r in self.waiting_holders()}, "waiting holders misfound"
+        for req in self.paused.paused.values():
+            assert req.status == RequestStatus.INTERCEPTED and req.interception is not None
+        for req in self.paused.swapped:
+            assert req.status == RequestStatus.SWAPPED and self.kv.held(req.request_id).host
+        for rid in self.kv.holders(on_host=True):
+            req = self.requests[rid]
+            assert req.status in (RequestStatus.INTERCEPTED, RequestStatus.SWAPPED), \
+                f"{rid}: host KV while {req.status}"
+            held = sum(self.kv.held(rid))
+            assert held * self.kv.block_size >= req.num_computed_tokens, f"{rid}: KV lost between the tiers"

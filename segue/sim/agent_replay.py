@@ -92,9 +92,10 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
     system = system_prompt_ids(spec, vocab)
     params = SamplingParams(temperature=0, max_tokens=spec.output_tokens, ignore_eos=True)
     start = engine.clock()
-    hit0, query0 = engine.scheduler.prefix_hit_tokens, engine.scheduler.prefix_query_tokens
-    pre0, steps0 = engine.scheduler.num_preemptions_total, engine.num_steps
-    batched0 = engine.scheduler.num_batched_tokens_total
+    sched = engine.scheduler.state  # its counters, read before and after the run
+    hit0, query0 = sched.prefix_hit_tokens, sched.prefix_query_tokens
+    pre0, steps0 = sched.num_preemptions_total, engine.num_steps
+    batched0 = sched.num_batched_tokens_total
     waste0 = engine.waste.totals.as_dict()
     states = {a.index: _AgentState(a, start + a.arrival_s, system + task_ids(spec, a, vocab)) for a in agents}
     # (time, seq, agent index, action): an agent's next turn is due (its arrival, or its tool's
@@ -189,10 +190,10 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
     turns_done = sum(st.agent.num_turns if st.end is not None else st.turn for st in states.values())
     return EngineAgentResult(
         busy, len(agents), last - start, time.perf_counter() - wall0,
-        engine.scheduler.num_preemptions_total - pre0, engine.scheduler.prefix_hit_tokens - hit0,
-        engine.scheduler.prefix_query_tokens - query0, {k: waste1[k] - waste0.get(k, 0.0) for k in waste1},
+        sched.num_preemptions_total - pre0, sched.prefix_hit_tokens - hit0,
+        sched.prefix_query_tokens - query0, {k: waste1[k] - waste0.get(k, 0.0) for k in waste1},
         engine.num_steps - steps0, stalled,
-        engine.scheduler.num_batched_tokens_total - batched0 - turns_done * (spec.output_tokens - 1),
+        sched.num_batched_tokens_total - batched0 - turns_done * (spec.output_tokens - 1),
         [t[0] for t in ttfts if 0 in t], [x for t in ttfts for turn, x in sorted(t.items()) if turn > 0])
 
 

@@ -76,7 +76,7 @@ def latency_rows(args: argparse.Namespace, trace: list[Any], make_engine: Callab
         engine = make_engine(ev)
         res = replay(engine, reqs, arrivals, engine.clock.advance_to, seed=args.seed,
                      progress=not args.no_progress, desc=f"mooncake latency, {ev}")
-        s = engine.scheduler
+        s = engine.scheduler.state
         rows.append({"eviction": ev, **res.to_dict(),
                      "prefix_hit": s.prefix_hit_tokens / max(1, s.prefix_query_tokens)})
     return rows

@@ -153,6 +153,6 @@ def run_program(engine: Any, spec: ProgramSpec, program_aware: bool, clock_wait:
             raise RuntimeError("program stalled: calls left but nothing runs or is due")
         clock_wait(due[0][0])
     end = max(c.finished_at or 0.0 for c in calls) + hop
-    return {"e2e_s": end - start, "calls": len(calls), "preemptions": engine.scheduler.num_preemptions_total,
-            "prefix_hit_tokens": engine.scheduler.prefix_hit_tokens,
-            "prefix_query_tokens": engine.scheduler.prefix_query_tokens, "steps": engine.num_steps}
+    return {"e2e_s": end - start, "calls": len(calls), "preemptions": engine.scheduler.state.num_preemptions_total,
+            "prefix_hit_tokens": engine.scheduler.state.prefix_hit_tokens,
+            "prefix_query_tokens": engine.scheduler.state.prefix_query_tokens, "steps": engine.num_steps}

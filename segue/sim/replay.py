@@ -113,7 +113,7 @@ def replay(engine: Any, requests: Sequence[TraceRequest], arrivals: Sequence[flo
     finally:
         bar.close()
     return ReplayResult(records, len(requests), last_finish - start, time.perf_counter() - wall0,
-                        engine.waste.totals, engine.scheduler.num_preemptions_total, engine.num_steps,
+                        engine.waste.totals, engine.scheduler.state.num_preemptions_total, engine.num_steps,
                         num_unfinished=len(requests) - len(records), stalled=stalled)
 
 

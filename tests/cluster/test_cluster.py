@@ -215,7 +215,7 @@ def test_abort_frees_kv_on_the_replica(pool: EnginePool) -> None:
 
 
 def _latency_sensitive(rid: str) -> Any:
-    return lambda llm: llm.scheduler.requests[rid].latency_sensitive
+    return lambda llm: llm.scheduler.state.requests[rid].latency_sensitive
 
 
 def test_objective_updates_reach_the_replica(pool: EnginePool) -> None:

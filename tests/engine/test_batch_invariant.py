@@ -88,7 +88,7 @@ def scatter_pool(engine: Any, rng: random.Random) -> None:
     """Fills the pool with random requests, then aborts them in a random order, so the next
     tables are made of blocks freed in that order (ids out of order, with gaps)."""
     ids: list[str] = []
-    while engine.scheduler.kv.num_free_blocks > 2 and len(ids) < 100:
+    while engine.scheduler.state.kv.num_free_blocks > 2 and len(ids) < 100:
         ids.append(f"filler{len(ids)}")
         engine.add_request(EngineRequest(prompt(rng, rng.randint(8, 100)),
                                          SamplingParams(temperature=0.0, max_tokens=1_000, ignore_eos=True), ids[-1]))

@@ -70,7 +70,7 @@ def test_prefix_cache_hits(tiny, attention):
     check_against_hf(engine, model, batch[:1])
     results = check_against_hf(engine, model, batch[1:] + batch[:1])
     assert all(r.num_cached_tokens >= 40 for r in results.values())
-    assert engine.scheduler.prefix_hit_tokens > 0
+    assert engine.scheduler.state.prefix_hit_tokens > 0
 
 
 def test_preemption_with_recompute(tiny):
@@ -79,7 +79,7 @@ def test_preemption_with_recompute(tiny):
     engine = make_engine(path, block_size=4, kv_tokens=96, budget=64, prefix_caching=False)
     batch = [p[:60] for p in prompts(3, 8)]
     check_against_hf(engine, model, batch)
-    assert engine.scheduler.num_preemptions_total > 0
+    assert engine.scheduler.state.num_preemptions_total > 0
 
 
 @pytest.fixture(scope="module")

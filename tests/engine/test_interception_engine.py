@@ -62,7 +62,7 @@ def test_pause_resume_equals_uninterrupted_generation(tiny, policy):
     results = run_to_completion(engine)
     for rid, (prompt, script) in zip(ids, batch, strict=True):
         assert results[rid].outputs[0].token_ids == reference(model, prompt, script), policy
-    assert engine.scheduler.kv.num_held_blocks() == 0 and not engine.scheduler.kv.host_tables
+    assert engine.scheduler.state.kv.num_held_blocks() == 0 and not engine.scheduler.state.kv.host_tables
 
 
 def test_dispositions_really_happen(tiny):
@@ -100,7 +100,7 @@ def test_cut_context_then_resume_equals_generation_over_the_new_context(tiny, po
     engine = make_engine(path, policy=policy)
     prompt = list(range(1000, 1030))
     engine.add_request(EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), "a"))
-    req = engine.scheduler.requests["a"]
+    req = engine.scheduler.state.requests["a"]
     while req.num_generated_tokens < 9:
         engine.step()
     engine.intercept("a")
@@ -117,7 +117,7 @@ def test_cut_context_then_resume_equals_generation_over_the_new_context(tiny, po
     context = held[:len(prompt) + 5] + new
     assert out.token_ids[-6:] == hf_greedy(model, context, 6)
     assert out.token_ids[:-6] == context[len(prompt):]
-    assert engine.scheduler.kv.num_held_blocks() == 0 and not engine.scheduler.kv.host_tables
+    assert engine.scheduler.state.kv.num_held_blocks() == 0 and not engine.scheduler.state.kv.host_tables
 
 
 def test_abort_while_paused_and_while_swapped_frees_everything(tiny):
@@ -128,19 +128,19 @@ def test_abort_while_paused_and_while_swapped_frees_everything(tiny):
     scripts = scripted(engine)
     scripts.add_request(EngineRequest(prompt, greedy, "a"), [TraceSegment(2, 10.0, [5, 6]), TraceSegment(3)])
     scripts.add_request(EngineRequest(prompt[::-1], greedy, "b"), [TraceSegment(2, 10.0, [7]), TraceSegment(3)])
-    while engine.scheduler.paused.paused.keys() != {"a", "b"}:
+    while engine.scheduler.state.paused.paused.keys() != {"a", "b"}:
         engine.step()
         engine.check_invariants()
     for _ in range(3):
         engine.step()
         engine.check_invariants()
-    assert engine.scheduler.kv.host_tables, "the swap policy should have moved KV to the host"
+    assert engine.scheduler.state.kv.host_tables, "the swap policy should have moved KV to the host"
     engine.abort_request("a")
     engine.check_invariants()
     engine.resume("b", [7])
     engine.abort_request("b")
     engine.check_invariants()
-    assert engine.scheduler.kv.num_held_blocks() == 0 and not engine.scheduler.kv.host_tables
+    assert engine.scheduler.state.kv.num_held_blocks() == 0 and not engine.scheduler.state.kv.host_tables
 
 
 def test_script_that_outgrows_the_context_ends_alone(tiny):
@@ -164,7 +164,7 @@ def test_host_tier_hit_loads_real_kv(tiny):
     prompt = list(range(2000, 2030))
     scripted(engine).add_request(EngineRequest(prompt, SamplingParams(temperature=0), "a"),
                                  [TraceSegment(3, 60.0, [7]), TraceSegment(2)])
-    kv = engine.scheduler.kv
+    kv = engine.scheduler.state.kv
     for _ in range(50):
         engine.step()
         engine.check_invariants()
@@ -198,16 +198,16 @@ def test_pause_hints_through_the_engine():
     engine = make_sim_engine(CostModel(), 1024, EngineConfig(cache=CacheConfig(block_size=16)))
     prompt = list(range(100, 140))
     engine.add_request(EngineRequest(prompt, SamplingParams(temperature=0, max_tokens=8), "a"))
-    while not engine.scheduler.requests["a"].output_token_ids:
+    while not engine.scheduler.state.requests["a"].output_token_ids:
         engine.step()
     assert engine.paused_token_ids("a") is None and not engine.expect_resume("a", 3.0)
     engine.intercept("a")
-    req = engine.scheduler.requests["a"]
+    req = engine.scheduler.state.requests["a"]
     assert engine.paused_token_ids("a") == req.all_token_ids and engine.paused_token_ids("nobody") is None
     engine.clock.advance_to(engine.clock() + 1.0)  # the hint arrives a second into the pause
     assert engine.expect_resume("a", 3.0) and req.interception.expected_duration == pytest.approx(3.0)
     assert engine.abandon("a") and req.interception.expected_duration == math.inf
-    assert engine.scheduler.kv.num_device_blocks_of("a") == 0 and not engine.abandon("nobody")
+    assert engine.scheduler.state.kv.num_device_blocks_of("a") == 0 and not engine.abandon("nobody")
     engine.resume("a", [7])
     while engine.has_unfinished_requests():
         engine.step()

@@ -62,7 +62,7 @@ def test_grammar_state_survives_chunked_prefill_and_preemption(ckpt: pathlib.Pat
     # would be preempted: off here, where preemption is the point.
     tight_engine = make(ckpt, kv_tokens=160, batched=24, agent_retention=False)
     tight = run(tight_engine, prompts, spec)
-    assert tight_engine.scheduler.num_preemptions_total > 0
+    assert tight_engine.scheduler.state.num_preemptions_total > 0
     # Seeded draws depend on the position only, so a request that was chunked, preempted and
     # recomputed generates exactly what it does without; the grammar must agree at every step.
     assert len(roomy) == len(prompts) and tight == roomy
@@ -80,7 +80,7 @@ def test_every_resume_keeps_the_constraint_for_three_rounds(ckpt: pathlib.Path) 
     engine.add_request(EngineRequest(tok.encode("Lights!", add_special_tokens=False),
                                      SamplingParams(temperature=1.0, seed=1, max_tokens=400, structured=spec), "a",
                                      tool_format=HERMES))
-    req = engine.scheduler.requests["a"]
+    req = engine.scheduler.state.requests["a"]
     result = tok.encode("<|im_end|>\n<|im_start|>tool\nok<|im_end|>\n<|im_start|>assistant\n",
                         add_special_tokens=False)
     specs, calls = [], []

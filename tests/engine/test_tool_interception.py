@@ -95,10 +95,10 @@ def test_async_engine_detach_and_continue(ckpt):
                 break
         await gen.aclose()
         await asyncio.sleep(0.2)  # the paused request survives its stream closing
-        assert await aengine.run_sync(lambda e: rid in e.scheduler.paused.paused)
+        assert await aengine.run_sync(lambda e: rid in e.scheduler.state.paused.paused)
         texts = [o.outputs[0].text async for o in aengine.continue_request(rid, engine.encode(" ok"))]
         assert texts[-1] == call + " done"
-        held = await aengine.run_sync(lambda e: (e.check_invariants(), e.scheduler.kv.num_held_blocks())[1])
+        held = await aengine.run_sync(lambda e: (e.check_invariants(), e.scheduler.state.kv.num_held_blocks())[1])
         assert held == 0
         await aengine.shutdown()
 
@@ -156,7 +156,7 @@ def test_resume_with_a_new_constraint_compiles_off_the_engine_thread(ckpt):
                 aengine.detach("s")
                 break
         await gen.aclose()
-        grammar = await aengine.run_sync(lambda e: e.scheduler.requests["s"].grammar)
+        grammar = await aengine.run_sync(lambda e: e.scheduler.state.requests["s"].grammar)
         aengine.abort("s")
         await aengine.shutdown()
         return grammar

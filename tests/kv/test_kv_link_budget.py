@@ -15,7 +15,7 @@ from segue.sampling_params import SamplingParams
 
 def link_blocks(sched) -> int:
     """The budget the next step's copies must stay within, in blocks."""
-    return sched.cost.swap_limit(sched.last_batch_tokens) // BS
+    return sched.state.cost.swap_limit(sched.state.last_batch_tokens) // BS
 
 
 def copies(out) -> int:
@@ -24,10 +24,10 @@ def copies(out) -> int:
 
 def checked_step(sched, ex, now: float):
     budget = link_blocks(sched)
-    pays = sched.cost.copy_pays(sched.kv.write_back_reuse_rate(), BS)
-    stalled_before = sched.kv.num_stalled_write_backs
+    pays = sched.state.cost.copy_pays(sched.state.kv.write_back_reuse_rate(), BS)
+    stalled_before = sched.state.kv.num_stalled_write_backs
     out, got = step(sched, ex, now)
-    stalled = sched.kv.num_stalled_write_backs - stalled_before
+    stalled = sched.state.kv.num_stalled_write_backs - stalled_before
     # Only write-backs may go past the budget, and only where saving a recompute pays for the
     # stall (CostModel.copy_pays).
     assert pays or not stalled
@@ -51,9 +51,10 @@ def test_host_hit_swap_ins_and_write_backs_share_the_budget():
     while not big.is_finished:  # evicts a's blocks into the host tier (a fast link: all of them)
         now += 0.01
         step(sched, ex, now)
-    assert sched.kv.device.num_cached_free_blocks >= 9 and sched.kv.host.num_cached_free_blocks >= 6
+    assert sched.state.kv.device.num_cached_free_blocks >= 9 and sched.state.kv.host.num_cached_free_blocks >= 6
     # Now a slow link: three blocks a step behind a decode's compute.
-    sched.cost.swap_bytes_per_s = 3 * BS * sched.cost.kv_bytes_per_token / sched.cost.t_fwd(sched.last_batch_tokens)
+    cost = sched.state.cost
+    cost.swap_bytes_per_s = 3 * BS * cost.kv_bytes_per_token / cost.t_fwd(sched.state.last_batch_tokens)
     assert link_blocks(sched) == 3
     c = Request("c", list(range(24)) + [9], SamplingParams(max_tokens=3), now)
     sched.add_request(c)
@@ -65,7 +66,7 @@ def test_host_hit_swap_ins_and_write_backs_share_the_budget():
     while not c.is_finished:
         now += 0.01
         checked_step(sched, ex, now)
-        assert sched.last_step_recompute_tokens == 0
+        assert sched.state.last_step_recompute_tokens == 0
 
 
 def test_write_backs_past_the_budget_only_where_the_recompute_they_save_pays_for_the_stall():
@@ -74,7 +75,7 @@ def test_write_backs_past_the_budget_only_where_the_recompute_they_save_pays_for
     on a link slower than recomputing, never."""
     for copy_over_recompute, expect_stalls in ((0.2, True), (3.0, False)):
         sched, ex = make("min-waste", device_blocks=10, host_blocks=40, agent_retention=False)
-        cost = sched.cost
+        cost = sched.state.cost
         # A copy of one block takes `copy_over_recompute` times its recompute.
         cost.swap_bytes_per_s = BS * cost.kv_bytes_per_token / (copy_over_recompute * cost.t_fwd_extra(BS))
         now = 0.0
@@ -84,19 +85,19 @@ def test_write_backs_past_the_budget_only_where_the_recompute_they_save_pays_for
             while not r.is_finished:
                 now += 0.01
                 checked_step(sched, ex, now)
-        assert (sched.kv.num_stalled_write_backs > 0) is expect_stalls
+        assert (sched.state.kv.num_stalled_write_backs > 0) is expect_stalls
         if expect_stalls:
             # r0's written-back blocks are read back by its next turn: the measured reuse rate
             # (1/2 before any outcome) rises, and nothing is recomputed.
-            assert sched.kv.write_back_reuse_rate() == 0.5
+            assert sched.state.kv.write_back_reuse_rate() == 0.5
             again = Request("again", list(range(9 * BS)) + [7], SamplingParams(max_tokens=2), now)
             sched.add_request(again)
             while not again.is_finished:
                 now += 0.01
                 checked_step(sched, ex, now)
-                assert sched.last_step_recompute_tokens == 0
+                assert sched.state.last_step_recompute_tokens == 0
             assert again.num_cached_tokens == 9 * BS
-            assert sched.kv.write_back_reuse_rate() > 0.8
+            assert sched.state.kv.write_back_reuse_rate() > 0.8
 
 
 def test_no_step_copies_more_than_the_link_budget_under_load():
@@ -106,7 +107,7 @@ def test_no_step_copies_more_than_the_link_budget_under_load():
     for their stall."""
     rng = random.Random(3)
     sched, ex = make("min-waste", device_blocks=24, host_blocks=48, budget=32)
-    cost = sched.cost
+    cost = sched.state.cost
     cost.swap_bytes_per_s = 4 * BS * cost.kv_bytes_per_token / cost.t_fwd(1)  # ~4 blocks a step
     prefix = list(range(200, 220))
     reqs, now, kinds = [], 0.0, set()
@@ -124,7 +125,7 @@ def test_no_step_copies_more_than_the_link_budget_under_load():
         for r in (u.request for u in got):
             if not r.is_finished and r.status is RequestStatus.RUNNING and rng.random() < 0.15:
                 sched.intercept_request(r, now)
-        for r in list(sched.paused.paused.values()):
+        for r in list(sched.state.paused.paused.values()):
             if rng.random() < 0.2:
                 sched.resume_request(r, [rng.randrange(1, 50)], now)
     assert all(r.is_finished for r in reqs)
@@ -138,7 +139,7 @@ def test_a_swap_out_that_copies_nothing_still_makes_the_request_swapped():
     from segue.sched.output import SchedulerOutput
     from segue.sched.preemption import swap_out
     sched, ex = make("preserve", device_blocks=10, host_blocks=20)
-    kv = sched.kv
+    kv = sched.state.kv
     a = Request("a", list(range(16)), SamplingParams(max_tokens=8), 0.0)
     sched.add_request(a)
     assert kv.allocate_slots(a, 16)
@@ -150,8 +151,8 @@ def test_a_swap_out_that_copies_nothing_still_makes_the_request_swapped():
     kv.release_swapped_out()           # back on the device; the host tier keeps them cached
     assert kv.num_host_blocks_of("a") == 0 and kv.host.num_cached_free_blocks == 4
     out = SchedulerOutput()
-    assert swap_out(sched, a, 4, out) == 4 and out.blocks_to_swap_out == []
-    assert a.status is RequestStatus.SWAPPED and a in sched.paused.swapped and a not in sched.waiting
+    assert swap_out(sched.state, a, 4, out) == 4 and out.blocks_to_swap_out == []
+    assert a.status is RequestStatus.SWAPPED and a in sched.state.paused.swapped and a not in sched.state.waiting
     sched.check_invariants()
 
 
@@ -161,7 +162,7 @@ def test_nothing_running_waits_for_swap_outs_in_flight_before_discarding_a_holde
     resident context is thrown away (it would be recomputed)."""
     from segue.sched.reclaim import release_waiting_kv
     sched, _ = make("preserve", device_blocks=10, host_blocks=20)
-    kv = sched.kv
+    kv = sched.state.kv
     paused = Request("paused", list(range(300, 316)), SamplingParams(max_tokens=4), 0.0)
     assert kv.allocate_slots(paused, 16)
     paused.num_computed_tokens = 16
@@ -173,7 +174,7 @@ def test_nothing_running_waits_for_swap_outs_in_flight_before_discarding_a_holde
     holder.num_computed_tokens = 16
     head = Request("head", list(range(500, 528)), SamplingParams(max_tokens=4), 0.0)
     assert kv.num_free_blocks == 2
-    assert not release_waiting_kv(sched, head, 6)  # 2 free + 4 in flight: wait a step
+    assert not release_waiting_kv(sched.state, head, 6)  # 2 free + 4 in flight: wait a step
     assert kv.num_device_blocks_of("holder") == 4 and holder.num_preemptions == 0
-    assert release_waiting_kv(sched, head, 7)  # more than will come free: the holder gives way
+    assert release_waiting_kv(sched.state, head, 7)  # more than will come free: the holder gives way
     assert kv.num_device_blocks_of("holder") == 0 and holder.num_preemptions == 1

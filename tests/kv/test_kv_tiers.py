@@ -87,18 +87,18 @@ def test_paused_agents_sharing_a_system_prompt_never_move_or_drop_it():
         now = run_until_generated(sched, ex, a, 2, 0.0)
         sched.add_request(b)
         now = run_until_generated(sched, ex, b, 1, now)
-        system_blocks = sched.kv.tables["a"][:3]
-        assert sched.kv.tables["b"][:3] == system_blocks
+        system_blocks = sched.state.kv.tables["a"][:3]
+        assert sched.state.kv.tables["b"][:3] == system_blocks
         sched.intercept_request(a, now, tool="t", expected_s=100.0)
         for _ in range(5):
             now += 0.01
             out, _ = step(sched, ex, now)
             ids = {blk.block_id for blk in system_blocks}
             assert not ids & {d for d, _ in out.blocks_to_swap_out}, policy
-        assert sched.kv.tables["b"][:3] == system_blocks and all(blk.ref_cnt >= 1 for blk in system_blocks)
+        assert sched.state.kv.tables["b"][:3] == system_blocks and all(blk.ref_cnt >= 1 for blk in system_blocks)
         if policy != "ttl":  # ttl keeps it for the tool's time (capped at 30 s)
-            assert sched.paused.device_tokens(a) == 0, policy  # nothing of its own left to act on
-        assert sched.paused.held_device_blocks() == sched.kv.num_private_blocks_of("a")
+            assert sched.state.paused.device_tokens(a) == 0, policy  # nothing of its own left to act on
+        assert sched.state.paused.held_device_blocks() == sched.state.kv.num_private_blocks_of("a")
 
 
 def test_discarded_request_resumed_with_its_blocks_cached_recomputes_nothing():
@@ -110,17 +110,17 @@ def test_discarded_request_resumed_with_its_blocks_cached_recomputes_nothing():
     sched.intercept_request(a, now)
     now += 0.01
     step(sched, ex, now)
-    assert a.interception.disposition is Disposition.DISCARD and not sched.kv.tables.get("a")
-    assert sched.kv.device.num_free_blocks == sched.kv.device.num_blocks
+    assert a.interception.disposition is Disposition.DISCARD and not sched.state.kv.tables.get("a")
+    assert sched.state.kv.device.num_free_blocks == sched.state.kv.device.num_blocks
     sched.resume_request(a, [60, 61, 62], now)
     now += 0.01
     out, _ = step(sched, ex, now)
     seq = out.seqs[0]
-    assert seq.start_pos == 16 and sched.last_step_recompute_tokens == 0
+    assert seq.start_pos == 16 and sched.state.last_step_recompute_tokens == 0
     while not a.is_finished:
         now += 0.01
         step(sched, ex, now)
-        assert sched.last_step_recompute_tokens == 0
+        assert sched.state.last_step_recompute_tokens == 0
 
 
 def test_host_tier_is_hit_by_another_request():
@@ -132,19 +132,19 @@ def test_host_tier_is_hit_by_another_request():
     for _ in range(2):  # swap out, then the copies complete and the host blocks get published
         now += 0.01
         step(sched, ex, now)
-    assert sched.kv.num_host_blocks_of("a") == 8 and not sched.kv.tables.get("a")
-    sched.kv.device.reset_prefix_cache()  # the device copies are gone: only the host tier has them
+    assert sched.state.kv.num_host_blocks_of("a") == 8 and not sched.state.kv.tables.get("a")
+    sched.state.kv.device.reset_prefix_cache()  # the device copies are gone: only the host tier has them
     b = Request("b", list(range(30)) + [77, 78], SamplingParams(max_tokens=3), now)
     sched.add_request(b)
     now += 0.01
     out, _ = step(sched, ex, now)
     assert b.status is RequestStatus.SWAPPED and b.num_cached_tokens == 28  # 7 full blocks
     assert len(out.blocks_to_swap_in) == 7 and not out.seqs  # it runs once the copies are done
-    assert sched.kv.num_host_blocks_of("a") == 8  # the owner still has its own
+    assert sched.state.kv.num_host_blocks_of("a") == 8  # the owner still has its own
     while not b.is_finished:
         now += 0.01
         out, _ = step(sched, ex, now)  # the fake executor checks every KV slot b attends to
-        assert sched.last_step_recompute_tokens == 0
+        assert sched.state.last_step_recompute_tokens == 0
     assert b.output_token_ids and b.num_cached_tokens == 28
     sched.resume_request(a, [5, 5], now)
     while not a.is_finished:
@@ -160,16 +160,16 @@ def test_abandoned_held_request_releases_device_memory_and_stays_resumable():
     sched.intercept_request(a, now)
     now += 0.01
     step(sched, ex, now)
-    assert sched.kv.num_device_blocks_of("a") == 6  # preserve holds it
+    assert sched.state.kv.num_device_blocks_of("a") == 6  # preserve holds it
     assert sched.abandon("a") and not sched.abandon("nobody")
-    assert sched.kv.num_device_blocks_of("a") == 0
-    assert sched.kv.device.num_free_blocks == sched.kv.device.num_blocks
-    assert sched.paused.held_device_blocks() == 0
+    assert sched.state.kv.num_device_blocks_of("a") == 0
+    assert sched.state.kv.device.num_free_blocks == sched.state.kv.device.num_blocks
+    assert sched.state.paused.held_device_blocks() == 0
     # Released, not destroyed: a resume before eviction revives every full block.
     sched.resume_request(a, [50], now)
     now += 0.01
     out, _ = step(sched, ex, now)
-    assert out.seqs[0].start_pos == 24 and sched.last_step_recompute_tokens == 0
+    assert out.seqs[0].start_pos == 24 and sched.state.last_step_recompute_tokens == 0
     while not a.is_finished:
         now += 0.01
         step(sched, ex, now)
@@ -183,7 +183,7 @@ def test_set_expected_resume_feeds_the_policy_estimate():
     sched.intercept_request(a, now)
     assert sched.set_expected_resume("a", now + 2.5)
     assert a.interception.expected_duration == pytest.approx(2.5)
-    assert sched.paused.expected_resume_at(a, now + 1.0) == pytest.approx(now + 2.5)
+    assert sched.state.paused.expected_resume_at(a, now + 1.0) == pytest.approx(now + 2.5)
     assert not sched.set_expected_resume("nobody", 1.0)
 
 
@@ -240,9 +240,9 @@ def test_agents_sharing_a_system_prompt_in_the_simulator(policy, order):
         if engine.last_step_idle:
             engine.clock.advance_to(engine.next_timer())
     assert not engine.has_unfinished_requests()
-    kv = engine.scheduler.kv
+    kv = engine.scheduler.state.kv
     assert kv.num_held_blocks() == 0 and not kv.host_tables
-    assert engine.scheduler.prefix_hit_tokens >= 8 * 192  # most agents find the system prompt cached
+    assert engine.scheduler.state.prefix_hit_tokens >= 8 * 192  # most agents find the system prompt cached
 
 
 def test_evicted_cached_blocks_are_written_back_to_the_host_tier():
@@ -253,7 +253,7 @@ def test_evicted_cached_blocks_are_written_back_to_the_host_tier():
     a = Request("a", list(range(24)), SamplingParams(max_tokens=2), 0.0)
     sched.add_request(a)
     now = run_until_generated(sched, ex, a, 2, 0.0)
-    assert a.is_finished and sched.kv.device.num_cached_free_blocks == 6
+    assert a.is_finished and sched.state.kv.device.num_cached_free_blocks == 6
     big = Request("big", list(range(500, 538)), SamplingParams(max_tokens=2), now)
     sched.add_request(big)
     now += 0.01
@@ -262,7 +262,7 @@ def test_evicted_cached_blocks_are_written_back_to_the_host_tier():
     while not big.is_finished:
         now += 0.01
         step(sched, ex, now)
-    sched.kv.device.reset_prefix_cache()
+    sched.state.kv.device.reset_prefix_cache()
     c = Request("c", list(range(24)) + [9], SamplingParams(max_tokens=3), now)
     sched.add_request(c)
     now += 0.01
@@ -271,7 +271,7 @@ def test_evicted_cached_blocks_are_written_back_to_the_host_tier():
     while not c.is_finished:
         now += 0.01
         step(sched, ex, now)  # the fake executor checks every KV slot c attends to
-        assert sched.last_step_recompute_tokens == 0
+        assert sched.state.last_step_recompute_tokens == 0
 
 
 def test_blocks_kept_for_an_overdue_resume_decay():
@@ -305,6 +305,6 @@ def test_min_waste_releases_a_held_turn_once_it_is_long_overdue():
     for _ in range(400):
         now += 0.01
         step(sched, ex, now)
-        held.append(sched.kv.num_device_blocks_of("a"))
+        held.append(sched.state.kv.num_device_blocks_of("a"))
     # Held while expected back soon and just after; released once overdue by about as long.
     assert held[60] > 0 and held[-1] == 0 and held.index(0) > 100

@@ -28,11 +28,11 @@ def test_cut_context_recomputes_only_from_the_cut(policy: str) -> None:
         step(sched, ex, now)
     assert a.interception.disposition is Disposition(policy)
     keep = len(PROMPT) + 3  # mid-block: 18 tokens, four whole blocks
-    sched.paused.truncate(a, keep)
+    sched.state.paused.truncate(a, keep)
     sched.check_invariants()
     assert a.all_token_ids == original[:keep] and a.num_generated_tokens == 10
     assert a.num_computed_tokens <= keep // BS * BS
-    assert sched.kv.num_device_blocks_of("a") + sched.kv.num_host_blocks_of("a") <= keep // BS
+    assert sched.state.kv.num_device_blocks_of("a") + sched.state.kv.num_host_blocks_of("a") <= keep // BS
     sched.resume_request(a, [70, 71, 72], now)
     assert a.all_token_ids == original[:keep] + [70, 71, 72]
     starts = []
@@ -53,11 +53,11 @@ def test_cut_blocks_stay_findable_for_other_requests() -> None:
     now = run_until_generated(sched, ex, a, 10, 0.0)
     original = list(a.all_token_ids)
     sched.intercept_request(a, now)
-    sched.paused.truncate(a, len(PROMPT))
-    assert sched.kv.num_device_blocks_of("a") == len(PROMPT) // BS
+    sched.state.paused.truncate(a, len(PROMPT))
+    assert sched.state.kv.num_device_blocks_of("a") == len(PROMPT) // BS
     # Blocks published before the cut were freed into the prefix cache, not destroyed.
     b = Request("b", original[:24] + [1], SamplingParams(max_tokens=2), now)
-    assert sched.kv.match(b).num_blocks == 6
+    assert sched.state.kv.match(b).num_blocks == 6
     sched.check_invariants()
 
 

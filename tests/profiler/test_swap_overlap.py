@@ -71,7 +71,7 @@ def test_the_engine_compares_its_steps_with_the_cost_model(tmp_path) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     stats = engine.stats()
-    cost, bs = engine.scheduler.cost, engine.scheduler.kv.block_size
+    cost, bs = engine.scheduler.state.cost, engine.scheduler.state.kv.block_size
     assert stats.steps == len(executed) == 4  # the prefill, then three decodes
     assert stats.step_seconds > 0
     assert stats.modelled_step_seconds == pytest.approx(sum(step_seconds(cost, out, bs)[0] for out in executed))

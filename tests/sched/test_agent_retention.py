@@ -51,17 +51,17 @@ def test_a_turn_that_extends_a_finished_one_belongs_to_its_agent():
     sched.add_request(first)
     now = run_until_done(sched, first, 0.0)
     agent = None
-    assert sched.agents.gaps.p_return() == 0.5  # no evidence yet: retained
-    assert sched.kv.num_retained_blocks > 0
+    assert sched.state.agents.gaps.p_return() == 0.5  # no evidence yet: retained
+    assert sched.state.kv.num_retained_blocks > 0
     later = turn("t1", first.all_token_ids + [30, 31, 32, 33], now + 2.0)
-    sched.now = now + 2.0
+    sched.state.now = now + 2.0
     sched.add_request(later)
-    agent = sched.agents.agent_of(later)
-    assert agent is not None and agent.turns == 2 and sched.agents.is_resident(later)
-    assert abs(sched.agents.gaps.mean() - 2.0) < 0.2
+    agent = sched.state.agents.agent_of(later)
+    assert agent is not None and agent.turns == 2 and sched.state.agents.is_resident(later)
+    assert abs(sched.state.agents.gaps.mean() - 2.0) < 0.2
     stranger = turn("s0", [45, 46, 47, 48, 49], now + 2.0)
     sched.add_request(stranger)
-    assert sched.agents.agent_of(stranger).turns == 1 and not sched.agents.is_resident(stranger)
+    assert sched.state.agents.agent_of(stranger).turns == 1 and not sched.state.agents.is_resident(stranger)
     run_until_done(sched, later, now + 2.0)
     # The next turn prefilled only what the history did not hold.
     assert later.num_cached_tokens >= 12
@@ -73,7 +73,7 @@ def test_newcomer_waits_instead_of_evicting_a_retained_history():
     a0 = turn("a0", list(range(22)), 0.0, max_tokens=3)
     sched.add_request(a0)
     now = run_until_done(sched, a0, 0.0)
-    assert sched.kv.num_retained_blocks == 6
+    assert sched.state.kv.num_retained_blocks == 6
     other = turn("x", list(range(100, 102)), now, max_tokens=12)  # keeps something running
     big = turn("b0", list(range(200, 228)), now, max_tokens=3)
     sched.add_request(other)
@@ -82,7 +82,7 @@ def test_newcomer_waits_instead_of_evicting_a_retained_history():
         ran = step(sched, now)
         now += 0.1
         assert big not in ran, "the newcomer evicted a retained history"
-    assert sched.kv.num_retained_blocks == 6
+    assert sched.state.kv.num_retained_blocks == 6
     # A's next turn arrives and runs on its whole retained history.
     a1 = turn("a1", a0.all_token_ids + [60, 61, 62], now, max_tokens=2)
     sched.add_request(a1)
@@ -91,7 +91,7 @@ def test_newcomer_waits_instead_of_evicting_a_retained_history():
     # The newcomer runs once memory is free (A's context again retained: it waits it out, bounded).
     run_until_done(sched, big, now)
     assert big.status is RequestStatus.FINISHED_LENGTH
-    assert sched.num_preemptions_total == 0
+    assert sched.state.num_preemptions_total == 0
 
 
 def test_starving_newcomer_takes_retained_memory():
@@ -105,7 +105,7 @@ def test_starving_newcomer_takes_retained_memory():
     sched.add_request(runner)
     sched.add_request(big)
     # Its bound: A's history recomputed (6 blocks of 4 tokens at 100 ms), within the usual gap.
-    bound = min(sched.agents.gaps.quantile(0.9), SLOW.t_fwd_extra(6 * BS))
+    bound = min(sched.state.agents.gaps.quantile(0.9), SLOW.t_fwd_extra(6 * BS))
     t0 = now
     while not big.is_finished:
         step(sched, now)
@@ -123,11 +123,11 @@ def test_one_off_requests_stop_being_retained():
         now = run_until_done(sched, req, now)
         now += 25.0  # longer than twice the prior gap: counted as not continued
         step(sched, now)
-    assert sched.agents.gaps.p_return() < 0.5
+    assert sched.state.agents.gaps.p_return() < 0.5
     req = turn("last", [300 + k for k in range(8)], now)
     sched.add_request(req)
     run_until_done(sched, req, now)
-    assert sched.kv.num_retained_blocks == 0
+    assert sched.state.kv.num_retained_blocks == 0
 
 
 def test_running_requests_are_not_preempted_for_a_retained_history():
@@ -136,11 +136,11 @@ def test_running_requests_are_not_preempted_for_a_retained_history():
     a0 = turn("a0", list(range(16)), 0.0, max_tokens=1)
     sched.add_request(a0)
     now = run_until_done(sched, a0, 0.0)
-    assert sched.kv.num_retained_blocks == 4
+    assert sched.state.kv.num_retained_blocks == 4
     grower = turn("g", [80, 81, 82], now, max_tokens=20)  # grows to 6 blocks
     sched.add_request(grower)
     run_until_done(sched, grower, now)
-    assert sched.num_preemptions_total == 0 and grower.status is RequestStatus.FINISHED_LENGTH
+    assert sched.state.num_preemptions_total == 0 and grower.status is RequestStatus.FINISHED_LENGTH
 
 
 def test_off_keeps_the_old_behaviour():
@@ -148,8 +148,8 @@ def test_off_keeps_the_old_behaviour():
     req = turn("a", list(range(12)), 0.0)
     sched.add_request(req)
     run_until_done(sched, req, 0.0)
-    assert sched.agents is None and sched.kv.num_held_blocks() == 0
-    assert sched.kv.device.num_free_blocks == 32
+    assert sched.state.agents is None and sched.state.kv.num_held_blocks() == 0
+    assert sched.state.kv.device.num_free_blocks == 32
 
 
 def test_a_turn_aborted_while_waiting_lets_its_agents_history_go_at_once():
@@ -157,14 +157,14 @@ def test_a_turn_aborted_while_waiting_lets_its_agents_history_go_at_once():
     a0 = turn("a0", list(range(12)), 0.0)
     sched.add_request(a0)
     now = run_until_done(sched, a0, 0.0)
-    assert sched.kv.num_retained_blocks > 0
+    assert sched.state.kv.num_retained_blocks > 0
     a1 = turn("a1", a0.all_token_ids + [30, 31], now)
     sched.add_request(a1)
-    agent = sched.agents.agent_of(a1)
-    assert agent is not None and sched.agents.is_resident(a1)
+    agent = sched.state.agents.agent_of(a1)
+    assert agent is not None and sched.state.agents.is_resident(a1)
     sched.abort_request("a1")  # its next turn will not come (the client went away)
     sched.check_invariants()
-    assert agent.context is None and sched.kv.num_retained_blocks == 0
-    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    assert agent.context is None and sched.state.kv.num_retained_blocks == 0
+    assert sched.state.kv.num_free_blocks == sched.state.kv.num_blocks
     step(sched, now + 0.1)  # nothing of it is left for expire() to find
-    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    assert sched.state.kv.num_free_blocks == sched.state.kv.num_blocks

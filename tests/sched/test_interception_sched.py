@@ -41,7 +41,7 @@ def test_random_pauses_and_resumes_keep_kv_correct(seed, policy, num_blocks, hos
             prompt = system + prompt
         max_tokens = rng.randrange(2, 8)
         pause_at = set(rng.sample(range(1, max_tokens), k=min(2, max_tokens - 1)))
-        if len(prompt) + max_tokens + 6 > sched.max_model_len:
+        if len(prompt) + max_tokens + 6 > sched.state.max_model_len:
             continue
         req = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), float(i))
         reqs.append(req)

@@ -50,8 +50,9 @@ def test_the_flag_sets_the_bound_in_seconds_or_turns_it_off():
 
 # ---- the scheduler -------------------------------------------------------------------------
 def _order(sched: Scheduler, now: float) -> list[str]:
-    sched.now = now
-    return [r.request_id for r in newcomers_first(sched, sched.policy.order(sched.waiting, now))]
+    state = sched.state
+    state.now = now
+    return [r.request_id for r in newcomers_first(state, state.policy.order(state.waiting, now))]
 
 
 @pytest.mark.parametrize("wait", [1.0, None])
@@ -60,29 +61,29 @@ def test_an_overdue_newcomer_goes_ahead_of_later_turns_sent_after_it(wait):
     a0, b0 = turn("a0", list(range(22)), 0.0), turn("b0", list(range(500, 522)), 0.0)
     now = finish(sched, a0, 0.0)                                      # agents A and B, first turns done
     now = finish(sched, b0, now)
-    sched.now = now
+    sched.state.now = now
     a1 = turn("a1", a0.all_token_ids + [60, 61], now)                 # A's next turn, before the newcomer
     sched.add_request(a1)
     newcomer = turn("n", list(range(300, 320)), now + 0.1)
     sched.add_request(newcomer)
-    sched.now = now + 0.5
+    sched.state.now = now + 0.5
     b1 = turn("b1", b0.all_token_ids + [60, 61], now + 0.5)          # B's next turn, after it
     sched.add_request(b1)
-    assert is_newcomer(sched, newcomer) and is_later_turn(sched, a1) and is_later_turn(sched, b1)
-    assert not is_newcomer(sched, b1) and not is_later_turn(sched, newcomer)
+    assert is_newcomer(sched.state, newcomer) and is_later_turn(sched.state, a1) and is_later_turn(sched.state, b1)
+    assert not is_newcomer(sched.state, b1) and not is_later_turn(sched.state, newcomer)
     # Within the bound later turns queue by their agent's arrival (program-level FCFS).
-    assert _order(sched, now + 0.5) == ["a1", "b1", "n"] and not is_overdue(sched, newcomer)
+    assert _order(sched, now + 0.5) == ["a1", "b1", "n"] and not is_overdue(sched.state, newcomer)
     # Past it (on the clock the scheduler is given) the newcomer goes ahead of B's turn, sent after
     # it, not of A's, sent before; without a bound, never.
     assert _order(sched, now + 1.1) == (["a1", "n", "b1"] if wait is not None else ["a1", "b1", "n"])
-    assert is_overdue(sched, newcomer) == (wait is not None)
+    assert is_overdue(sched.state, newcomer) == (wait is not None)
 
 
 def _pressure(sched: Scheduler) -> tuple[float, list[Request]]:
     """Agents A and B finish a turn each (6 blocks retained apiece); a runner keeps the pool busy."""
     now = finish(sched, turn("a0", list(range(22)), 0.0), 0.0)
     now = finish(sched, turn("b0", list(range(500, 522)), now), now)
-    assert sched.kv.num_retained_blocks == 12
+    assert sched.state.kv.num_retained_blocks == 12
     runner = turn("r", [90, 91], now, max_tokens=200)                 # never alone in the pool
     sched.add_request(runner)
     step(sched, now)
@@ -105,7 +106,7 @@ def test_an_overdue_newcomer_releases_one_history_and_starts(wait):
     if wait is not None:
         # Started at the first step past the bound, on one released history, not both.
         assert wait <= waited <= wait + 0.15
-        assert sched.kv.num_retained_blocks == 6
+        assert sched.state.kv.num_retained_blocks == 6
     else:
         # Only thrashing.py's bound: the recompute time of what it takes (6 blocks at 100 ms a token).
         assert waited >= 2.0
@@ -113,7 +114,7 @@ def test_an_overdue_newcomer_releases_one_history_and_starts(wait):
     while not newcomer.is_finished:
         step(sched, run)
         run += 0.1
-    assert newcomer.status is RequestStatus.FINISHED_LENGTH and sched.num_preemptions_total == 0
+    assert newcomer.status is RequestStatus.FINISHED_LENGTH and sched.state.num_preemptions_total == 0
 
 
 # ---- the simulator: pressure preset, small ------------------------------------------------

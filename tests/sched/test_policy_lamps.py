@@ -213,7 +213,7 @@ def test_rerank_after_interception():
     b = request("b", 8, 10, 0.0, max_tokens=40)
     for r in (a, b):
         sched.add_request(r)
-    key = sched.policy.key
+    key = sched.state.policy.key
     assert key(b, 0.0) < key(a, 0.0)
     now = 0.0
     while a.num_generated_tokens < 3:
@@ -260,8 +260,8 @@ def test_lamps_handling_is_applied_when_the_interception_begins():
     for _ in range(3):
         step(sched, now)
         now += 0.01
-    assert sched.kv.num_host_blocks_of("keep") == 0 and sched.kv.num_device_blocks_of("keep") > 0
-    assert sched.kv.num_host_blocks_of("drop") > 0 and sched.kv.num_device_blocks_of("drop") == 0
+    assert sched.state.kv.num_host_blocks_of("keep") == 0 and sched.state.kv.num_device_blocks_of("keep") > 0
+    assert sched.state.kv.num_host_blocks_of("drop") > 0 and sched.state.kv.num_device_blocks_of("drop") == 0
 
 
 @pytest.mark.parametrize("api_s, expected", [(100.0, Decision(Disposition.DISCARD)),
@@ -319,7 +319,7 @@ def test_random_workload_with_pauses_keeps_invariants_and_outputs(seed, intercep
     for i in range(8):
         prompt = [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
         max_tokens = rng.randrange(2, 8)
-        if len(prompt) + max_tokens + 6 > sched.max_model_len:
+        if len(prompt) + max_tokens + 6 > sched.state.max_model_len:
             continue
         req = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), 0.0)
         # Predictions from wildly right to wildly wrong, or none.

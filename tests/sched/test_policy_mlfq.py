@@ -49,7 +49,7 @@ def step(sched: Scheduler, now: float):
     out = sched.schedule(now)
     sched.update_from_output(out, {s.request.request_id: 3 for s in out.seqs if s.sample})
     sched.check_invariants()
-    return out, now + sched.cost.t_fwd(out.num_batched_tokens)
+    return out, now + sched.state.cost.t_fwd(out.num_batched_tokens)
 
 
 def test_skip_join_places_by_prefill_time():
@@ -58,7 +58,7 @@ def test_skip_join_places_by_prefill_time():
     for rid, prompt in [("a", 1), ("b", 11), ("c", 30), ("d", 100), ("e", 1)]:
         sched.add_request(req(rid, prompt, 4))
     assert {rid: e.level for rid, e in policy.entries.items()} == {"a": 0, "b": 1, "c": 2, "d": 4, "e": 0}
-    order = sorted(sched.waiting, key=lambda r: policy.key(r, 0.0))
+    order = sorted(sched.state.waiting, key=lambda r: policy.key(r, 0.0))
     assert [r.request_id for r in order] == ["a", "e", "b", "c", "d"]  # FCFS within a queue
     plain, plain_policy = make(skip_join=False)
     for rid, prompt in [("a", 1), ("d", 100)]:
@@ -117,7 +117,7 @@ def test_promotion_after_starvation():
 def test_short_request_overtakes_a_long_one(policy_name):
     sched, _ = make(max_seqs=1)
     if policy_name == "fcfs":
-        sched.policy = make_policy("fcfs")
+        sched.state.policy = make_policy("fcfs")
     long, short = req("long", 1, 50), req("short", 1, 3)
     sched.add_request(long)
     now, finished = 0.0, []
@@ -129,7 +129,7 @@ def test_short_request_overtakes_a_long_one(policy_name):
     assert set(finished) == {"long", "short"}
     if policy_name == "mlfq":
         assert finished == ["short", "long"]
-        assert long.num_preemptions == 0 and sched.num_preemptions_total == 0
+        assert long.num_preemptions == 0 and sched.state.num_preemptions_total == 0
     else:
         assert finished == ["long", "short"]
 
@@ -146,7 +146,7 @@ def test_long_request_survives_an_adversarial_stream(limit_s, finishes):
     now, i = 0.0, 0
     bound = 30 * (0.1 + 3 * 0.010)
     while now < bound + 0.5 and not long.is_finished:
-        if not any(r is not long for r in sched.waiting):
+        if not any(r is not long for r in sched.state.waiting):
             sched.add_request(req(f"s{i}", 1, 1, now))
             i += 1
         _, now = step(sched, now)
@@ -198,20 +198,20 @@ def test_memory_pressure_without_a_host_pool_makes_the_head_wait():
     for r in (x, y, z):
         sched.add_request(r)
     _, now = step(sched, 0.0)  # all three prefill: 9 of 14 blocks held
-    assert sched.kv.num_free_blocks == 5
+    assert sched.state.kv.num_free_blocks == 5
     place(policy, "y", 2)
     place(policy, "z", 3)
-    sched.config.max_num_seqs = 2
+    sched.state.config.max_num_seqs = 2
     n = req("n", 20, 2, now, first_token=20)  # 5 blocks (no prefix hit), joins q_0 behind x
     sched.add_request(n)
     out, now = step(sched, now)
     assert [s.request.request_id for s in out.seqs] == ["x", "y"]  # n waits; z is past max_num_seqs
     assert not out.preempted and not out.blocks_to_swap_out
-    assert sched.kv.num_device_blocks_of("z") == 3 and sched.kv.num_device_blocks_of("y") >= 3
+    assert sched.state.kv.num_device_blocks_of("z") == 3 and sched.state.kv.num_device_blocks_of("y") >= 3
     while not x.is_finished:  # x finishes and frees its blocks; then n runs
         out, now = step(sched, now)
     out, now = step(sched, now)
-    assert "n" in [s.request.request_id for s in out.seqs] and sched.num_preemptions_total == 0
+    assert "n" in [s.request.request_id for s in out.seqs] and sched.state.num_preemptions_total == 0
 
 
 def test_a_holder_that_cannot_grow_takes_blocks_from_lower_holders():
@@ -224,14 +224,14 @@ def test_a_holder_that_cannot_grow_takes_blocks_from_lower_holders():
     for r in (x, y, z, w):
         sched.add_request(r)
     _, now = step(sched, 0.0)
-    assert sched.kv.num_free_blocks == 0
+    assert sched.state.kv.num_free_blocks == 0
     for rid, level in (("x", 0), ("y", 1), ("z", 3), ("w", 4)):
         place(policy, rid, level)
     out, now = step(sched, now)
     # x, the head, waits for memory; y and z grow into w's blocks; w recomputes later.
     assert [s.request.request_id for s in out.seqs] == ["y", "z"]
-    assert sched.kv.num_device_blocks_of("w") == 0 and w.num_computed_tokens == 0
-    assert sched.num_preemptions_total == 1
+    assert sched.state.kv.num_device_blocks_of("w") == 0 and w.num_computed_tokens == 0
+    assert sched.state.num_preemptions_total == 1
     out, now = step(sched, now)
     assert "x" in [s.request.request_id for s in out.seqs]
 
@@ -247,7 +247,7 @@ def test_memory_pressure_swaps_out_the_largest_enst_holder():
     _, now = step(sched, 0.0)
     place(policy, "y", 2)
     place(policy, "z", 3, last_served=now - 9.99)
-    sched.config.max_num_seqs = 2
+    sched.state.config.max_num_seqs = 2
     n = req("n", 20, 2, now, first_token=20)
     sched.add_request(n)
     out, now = step(sched, now)
@@ -255,10 +255,10 @@ def test_memory_pressure_swaps_out_the_largest_enst_holder():
     assert [s.request.request_id for s in out.seqs] == ["x", "z"]
     # n needs 5 blocks and 4 are free: y goes to the host, whole (half of it could not run).
     assert not out.preempted and len(out.blocks_to_swap_out) == 3
-    assert y.status == RequestStatus.SWAPPED and sched.kv.num_host_blocks_of("y") == 3
-    assert sched.kv.num_device_blocks_of("y") == 0
+    assert y.status == RequestStatus.SWAPPED and sched.state.kv.num_host_blocks_of("y") == 3
+    assert sched.state.kv.num_device_blocks_of("y") == 0
     # Key order would pick z (the lowest queue); ENST picks y, which z will overtake by promotion.
-    assert sched.kv.num_device_blocks_of("z") == 4  # its 3, and one for the token it computed
+    assert sched.state.kv.num_device_blocks_of("z") == 4  # its 3, and one for the token it computed
     out, now = step(sched, now)
     assert [s.request.request_id for s in out.seqs] == ["x", "n"] and not out.blocks_to_swap_in
     assert y.num_preemptions == 0 and y.num_computed_tokens == 12  # nothing to recompute
@@ -287,11 +287,11 @@ def test_reserve_swaps_out_pending_requests_and_brings_them_back():
         sched.check_invariants()
         now += cost.t_fwd(out.num_batched_tokens)
         if out.blocks_to_swap_out:
-            slack = sched.kv.num_free_blocks + len(out.blocks_to_swap_out) - reserve
+            slack = sched.state.kv.num_free_blocks + len(out.blocks_to_swap_out) - reserve
             min_slack = slack if min_slack is None else min(min_slack, slack)
     assert not sched.has_unfinished_requests()
     assert saw_swap_out and min_slack is not None and min_slack >= 0
-    assert sched.kv.num_held_blocks() == 0 and not sched.kv.host_tables
+    assert sched.state.kv.num_held_blocks() == 0 and not sched.state.kv.host_tables
     for r in reqs:
         assert r.output_token_ids == expected_output(r.prompt_token_ids, 6, set())
 
@@ -332,13 +332,13 @@ def test_random_mlfq_runs_keep_kv_correct(seed, num_blocks, host_blocks, interce
     sched, _ = make(num_blocks=num_blocks, host_blocks=host_blocks, budget=rng.randrange(4, 40),
                     max_seqs=rng.randrange(1, 6), cost=cost, interception=interception,
                     starvation_limit_s=rng.choice([0.02, 0.2, 5.0]), reserve_window_s=reserve_window_s)
-    sched.max_model_len = num_blocks * BS // 2
+    sched.state.max_model_len = num_blocks * BS // 2
     ex = FakeKVExecutor(BS)
     arrivals, plans = [], {}
     for i in range(rng.randrange(1, 10)):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 16))]
         max_tokens = rng.randrange(2, 10)
-        if len(prompt) + max_tokens + 6 > sched.max_model_len:
+        if len(prompt) + max_tokens + 6 > sched.state.max_model_len:
             continue
         r = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), 0.0)
         plans[r.request_id] = set(rng.sample(range(1, max_tokens), k=min(2, max_tokens - 1)))
@@ -359,8 +359,8 @@ def test_random_mlfq_runs_keep_kv_correct(seed, num_blocks, host_blocks, interce
             sched.resume_request(item[1], item[2], now)
         out = sched.schedule(now)
         # Starvation prevention promoted everyone due (found through its service-time heap).
-        limit = sched.policy.options.starvation_limit_s
-        assert all(now - e.last_served < limit - 1e-9 for e in sched.policy.entries.values()
+        limit = sched.state.policy.options.starvation_limit_s
+        assert all(now - e.last_served < limit - 1e-9 for e in sched.state.policy.entries.values()
                    if e.level > 0 and not e.paused)
         got = sched.update_from_output(out, ex.execute(out))
         for r in (u.request for u in got):
@@ -371,11 +371,11 @@ def test_random_mlfq_runs_keep_kv_correct(seed, num_blocks, host_blocks, interce
             sched.intercept_request(r, now, tool="t", expected_s=rng.choice([None, 0.05]))
             pending_resume.append((now + rng.choice([0.0, 0.02, 0.2]), r, tool_tokens(r, k)))
         sched.check_invariants()
-        _assert_enst_sums_current(sched.policy)
-        _assert_queue_order_current(sched.policy, list(sched.requests.values()), now)
+        _assert_enst_sums_current(sched.state.policy)
+        _assert_queue_order_current(sched.state.policy, list(sched.state.requests.values()), now)
     assert not sched.has_unfinished_requests(), "requests left unfinished"
-    assert sched.kv.num_held_blocks() == 0 and not sched.kv.host_tables
-    assert sched.policy._count == [0] * len(sched.policy.quanta)
+    assert sched.state.kv.num_held_blocks() == 0 and not sched.state.kv.host_tables
+    assert sched.state.policy._count == [0] * len(sched.state.policy.quanta)
     for r in reqs:
         assert r.status == RequestStatus.FINISHED_LENGTH
         assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling_params.max_tokens,

@@ -82,9 +82,9 @@ def test_fcfs_contrast_and_preemption_by_a_new_program() -> None:
     sched.add_request(req("fresh-1", "fresh", now, start=300))
     # Preemptive: the new program takes the next step; agent-1 keeps its KV while it waits.
     assert step(sched, now) == ["fresh-1"]
-    assert sched.kv.num_device_blocks_of("agent-1") > 0
+    assert sched.state.kv.num_device_blocks_of("agent-1") > 0
     run_until_done(sched, now + STEP_S)
-    assert sched.requests == {} and sched.kv.num_held_blocks() == 0
+    assert sched.state.requests == {} and sched.state.kv.num_held_blocks() == 0
 
 
 def test_requests_without_a_program_are_their_own_program_and_leave_nothing_behind() -> None:
@@ -178,7 +178,7 @@ def test_random_programs_with_pauses_keep_invariants_and_outputs(seed: int, num_
     pending = []
     for i in range(rng.randrange(2, 14)):
         prompt, max_tokens = rng.randrange(1, 14), rng.randrange(1, 8)
-        if prompt + max_tokens + 4 > sched.max_model_len:
+        if prompt + max_tokens + 4 > sched.state.max_model_len:
             continue
         program = rng.choice([None, "a", "b", "c"])
         pending.append(req(f"r{i}", program, 0.0, prompt=prompt, max_tokens=max_tokens, start=rng.randrange(30),
@@ -187,21 +187,21 @@ def test_random_programs_with_pauses_keep_invariants_and_outputs(seed: int, num_
     while pending or sched.has_unfinished_requests():
         if pending and rng.random() < 0.5:
             sched.add_request(pending.pop(0))
-        running = [r for r in sched.running if r.num_output_tokens]
+        running = [r for r in sched.state.running if r.num_output_tokens]
         if running and rng.random() < 0.1:
             sched.intercept_request(rng.choice(running), now)
-        for r in list(sched.paused.paused.values()):
+        for r in list(sched.state.paused.paused.values()):
             if rng.random() < 0.3:
                 sched.resume_request(r, [], now)
-        if sched.requests and rng.random() < 0.03:
-            rid = rng.choice(sorted(sched.requests))
+        if sched.state.requests and rng.random() < 0.03:
+            rid = rng.choice(sorted(sched.state.requests))
             sched.abort_request(rid)
             aborted.add(rid)
         sched.check_invariants()
         step(sched, now)
         now += STEP_S
         assert now < 50, "the scheduler made no progress"
-    assert sched.kv.num_held_blocks() == 0 and policy.entries == {}
+    assert sched.state.kv.num_held_blocks() == 0 and policy.entries == {}
     for r in reqs:
         if r.request_id in aborted:
             assert r.status == RequestStatus.FINISHED_ABORTED

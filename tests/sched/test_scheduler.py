@@ -34,9 +34,9 @@ def run_step(sched: Scheduler, now: float) -> None:
     sampled = {s.request.request_id: fake_token(s.request) for s in out.seqs if s.sample}
     for s in out.seqs:
         assert s.num_tokens >= 1
-        assert len(s.block_table) * sched.kv.block_size >= s.start_pos + s.num_tokens
-    assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
-    assert len(out.seqs) <= sched.config.max_num_seqs
+        assert len(s.block_table) * sched.state.kv.block_size >= s.start_pos + s.num_tokens
+    assert out.num_batched_tokens <= sched.state.config.max_num_batched_tokens
+    assert len(out.seqs) <= sched.state.config.max_num_seqs
     sched.update_from_output(out, sampled)
     sched.check_invariants()
 
@@ -44,7 +44,7 @@ def run_step(sched: Scheduler, now: float) -> None:
 def expire_retained(sched: Scheduler) -> None:
     """Step once after every retained history has expired (sched/agents.py keeps a finished
     request's context while its agent is likely back): then the pool must be whole again."""
-    sched.schedule(sched.now + 1e6)
+    sched.schedule(sched.state.now + 1e6)
     sched.check_invariants()
 
 
@@ -66,7 +66,7 @@ def test_random_workload_invariants_and_outputs(seed, num_blocks, budget, cachin
     for i in range(rng.randrange(1, 12)):
         prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 14))]
         max_tokens = rng.randrange(1, 10)
-        if len(prompt) + max_tokens > sched.max_model_len:
+        if len(prompt) + max_tokens > sched.state.max_model_len:
             continue
         reqs.append(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), float(i)))
     pending = list(reqs)
@@ -74,8 +74,8 @@ def test_random_workload_invariants_and_outputs(seed, num_blocks, budget, cachin
     while pending or sched.has_unfinished_requests():
         if pending and rng.random() < 0.5:
             sched.add_request(pending.pop(0))
-        if sched.requests and rng.random() < 0.05:
-            rid = rng.choice(sorted(sched.requests))
+        if sched.state.requests and rng.random() < 0.05:
+            rid = rng.choice(sorted(sched.state.requests))
             sched.abort_request(rid)
             aborted.add(rid)
             sched.check_invariants()
@@ -83,8 +83,8 @@ def test_random_workload_invariants_and_outputs(seed, num_blocks, budget, cachin
         step += 1
         assert step < 5000, "scheduler made no progress"
     expire_retained(sched)
-    assert sched.kv.num_held_blocks() == 0
-    assert sched.kv.device.num_free_blocks == num_blocks
+    assert sched.state.kv.num_held_blocks() == 0
+    assert sched.state.kv.device.num_free_blocks == num_blocks
     for req in reqs:
         if req.request_id in aborted:
             assert req.status == RequestStatus.FINISHED_ABORTED
@@ -157,11 +157,11 @@ def test_watermark_keeps_headroom_for_running_requests():
         run_step(sched, 0.0)  # x holds 6 blocks (24 tokens + the next)
         sched.add_request(Request("y", list(range(2, 30)), SamplingParams(max_tokens=4), 0.0))
         run_step(sched, 1.0)  # x grows to 7 blocks; y needs 7 of the 9 free: 2 left, under a 4-block mark
-        assert (sched.requests["y"].status == RequestStatus.RUNNING) is admitted
+        assert (sched.state.requests["y"].status == RequestStatus.RUNNING) is admitted
     alone = make_scheduler(num_blocks=16, budget=64, watermark=0.5)
     alone.add_request(Request("z", list(range(1, 50)), SamplingParams(max_tokens=4), 0.0))
     run_step(alone, 0.0)
-    assert alone.requests["z"].status == RequestStatus.RUNNING
+    assert alone.state.requests["z"].status == RequestStatus.RUNNING
 
 
 def _capacity_scheduler(cap: int) -> Scheduler:
@@ -208,7 +208,7 @@ def _admission(sched: Scheduler, budget: int):
     from segue.sched.admission import Admission
     from segue.sched.output import SchedulerOutput
 
-    return Admission(sched, SchedulerOutput(), budget, [])
+    return Admission(sched.state, SchedulerOutput(), budget, [])
 
 
 def _waiting(sched: Scheduler, rid: str, prompt_len: int) -> Request:
@@ -238,7 +238,7 @@ def test_non_preemptive_head_without_memory_stops_admission():
     big, small = _waiting(sched, "big", 20), _waiting(sched, "small", 4)  # 5 blocks > the pool of 4
     adm = _admission(sched, 64)
     assert adm.add(big) is AddResult.NO_MEMORY and adm.blocked is not None
-    assert not adm.scheduled and sched.kv.num_free_blocks == 4  # nothing taken on the way
+    assert not adm.scheduled and sched.state.kv.num_free_blocks == 4  # nothing taken on the way
     assert small.status == RequestStatus.WAITING
     sched.check_invariants()
 
@@ -289,7 +289,7 @@ def test_admission_keeps_kv_accounting_every_step(seed, num_blocks, budget, poli
         if n < 10 and rng.random() < 0.3:
             prefix = shared if rng.random() < 0.5 else []
             prompt = prefix + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 12))]
-            if len(prompt) + 6 <= sched.max_model_len:
+            if len(prompt) + 6 <= sched.state.max_model_len:
                 sched.add_request(Request(f"r{n}", prompt, SamplingParams(max_tokens=rng.randrange(1, 6)), step * 0.01))
                 n += 1
         if not sched.has_unfinished_requests():

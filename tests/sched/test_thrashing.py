@@ -26,8 +26,9 @@ def test_a_resident_turn_that_would_still_not_fit_releases_no_other_history():
     now = finish(sched, turn("a0", list(range(22)), 0.0), 0.0)       # A: 6 blocks retained
     b0 = turn("b0", list(range(300, 310)), now)
     now = finish(sched, b0, now)                                      # B: 3 blocks retained
-    agent_a = next(a for a in sched.agents._agents.values() if a.context is not None and a.context.num_blocks == 6)
-    assert sched.kv.num_retained_blocks == 9
+    agents = sched.state.agents._agents.values()
+    agent_a = next(a for a in agents if a.context is not None and a.context.num_blocks == 6)
+    assert sched.state.kv.num_retained_blocks == 9
     runner = turn("r", [90, 91], now, max_tokens=60)                  # never alone in the pool
     sched.add_request(runner)
     step(sched, now)
@@ -36,13 +37,13 @@ def test_a_resident_turn_that_would_still_not_fit_releases_no_other_history():
     # history would not make room for it beside the runner.
     b1 = turn("b1", b0.all_token_ids + list(range(400, 460)), now)
     sched.add_request(b1)
-    assert sched.agents.is_resident(b1)
-    hit = sched.kv.match(b1)
-    assert _shortfall(sched, b1, hit, running_needs(sched)) > agent_a.context.num_private_blocks()
+    assert sched.state.agents.is_resident(b1)
+    hit = sched.state.kv.match(b1)
+    assert _shortfall(sched.state, b1, hit, running_needs(sched.state)) > agent_a.context.num_private_blocks()
     for _ in range(4):  # within the bound and past it: waiting or starving, it takes nothing
         assert b1 not in step(sched, now)
         now += 0.1
-        assert agent_a.context is not None and sched.kv.num_retained_blocks == 9
+        assert agent_a.context is not None and sched.state.kv.num_retained_blocks == 9
     assert b1.status is RequestStatus.WAITING
 
 
@@ -58,12 +59,13 @@ def test_a_held_context_that_would_still_not_fit_releases_no_paused_context():
     sched.intercept_request(held, 0.1)
     # The session's next turn: 66 appended tokens, more than the paused context's blocks free.
     sched.resume_request(held, list(range(500, 566)), 0.2)
-    private = sched.kv.num_private_blocks_of("p")
+    private = sched.state.kv.num_private_blocks_of("p")
     assert private > 0
-    assert _shortfall(sched, held, NO_HIT, running_needs(sched)) > private + sched.kv.num_retained_blocks
+    state = sched.state
+    assert _shortfall(state, held, NO_HIT, running_needs(state)) > private + state.kv.num_retained_blocks
     now = 0.2
     for _ in range(4):
         assert held not in step(sched, now)
         now += 0.1
-        assert sched.kv.num_private_blocks_of("p") == private, "a paused context was released for nothing"
+        assert sched.state.kv.num_private_blocks_of("p") == private, "a paused context was released for nothing"
     assert held.status is RequestStatus.WAITING and paused.status is RequestStatus.INTERCEPTED

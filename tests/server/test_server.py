@@ -53,7 +53,7 @@ def model(engine: AsyncLLMEngine) -> str:
 def engine_stats(engine: AsyncLLMEngine) -> tuple[int, int]:
     """(KV blocks held, unfinished requests), read on the engine thread between steps."""
     async def read() -> tuple[int, int]:
-        return await engine.run_sync(lambda e: (e.scheduler.kv.num_held_blocks(), e.num_unfinished_requests))
+        return await engine.run_sync(lambda e: (e.scheduler.state.kv.num_held_blocks(), e.num_unfinished_requests))
     return asyncio.run(read())
 
 

@@ -92,7 +92,7 @@ def test_plain_second_turn_continues_held_request(server: ServerThread, engine: 
     a = make_client(server, KEY_A)
     history, first, rid = first_turn_held(a, engine, "Say hello.")
     held = first.usage.total_tokens
-    assert held == on_engine(engine, lambda e: e.scheduler.requests[rid].num_tokens)
+    assert held == on_engine(engine, lambda e: e.scheduler.state.requests[rid].num_tokens)
     steps_before = len(scripted.seen[rid].chunks)
     second = a.chat.completions.create(model="", messages=history, temperature=0, max_tokens=6,
                                        extra_body={"model": None, "ignore_eos": True})
@@ -103,7 +103,7 @@ def test_plain_second_turn_continues_held_request(server: ServerThread, engine: 
     assert second.usage.prompt_tokens_details.cached_tokens == held
     assert second.usage.prompt_tokens == len(first_turn.contexts[(rid, 1)])
     assert first_turn.contexts[(rid, 1)][:len(first_turn.contexts[(rid, 0)])] == first_turn.contexts[(rid, 0)]
-    assert on_engine(engine, lambda e: e.scheduler.last_step_recompute_tokens) == 0
+    assert on_engine(engine, lambda e: e.scheduler.state.last_step_recompute_tokens) == 0
     assert second.model_extra.get("session_id") is None
     on_engine(engine, lambda e: e.check_invariants())
     assert server.app.state.serving.auto.hits >= 1
@@ -134,11 +134,11 @@ def test_abandoned_held_turn_releases_memory(short_server: ServerThread, engine:
     a = make_client(short_server, KEY_A)
     clock = short_server.app.state.serving.sessions.clock
     _, _, rid = first_turn_held(a, engine, "Say hello, then leave.")
-    assert on_engine(engine, lambda e: e.scheduler.kv.num_device_blocks_of(rid)) > 0
+    assert on_engine(engine, lambda e: e.scheduler.state.kv.num_device_blocks_of(rid)) > 0
     # Past auto_continue_release_s the held turn keeps no device blocks (they went back to the
     # prefix cache) but is still held: its TTL has not passed.
     clock.now += 5.0
-    wait_until(lambda: on_engine(engine, lambda e: e.scheduler.kv.num_device_blocks_of(rid)) == 0,
+    wait_until(lambda: on_engine(engine, lambda e: e.scheduler.state.kv.num_device_blocks_of(rid)) == 0,
                timeout=30.0, what="the held turn's device blocks released")
     assert rid in paused_ids(engine)
     on_engine(engine, lambda e: e.check_invariants())

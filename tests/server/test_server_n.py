@@ -36,7 +36,7 @@ def client(server: ServerThread) -> openai.OpenAI:
 
 
 def prefix_hits(engine: AsyncLLMEngine) -> int:
-    return on_engine(engine, lambda e: e.scheduler.prefix_hit_tokens)
+    return on_engine(engine, lambda e: e.scheduler.state.prefix_hit_tokens)
 
 
 def chat(client: openai.OpenAI, content: str, **kwargs: Any) -> Any:

@@ -86,7 +86,7 @@ def first_turn(engine: AsyncLLMEngine, scripted: ScriptedModel) -> FirstTurnScri
 
 
 def paused_ids(engine: AsyncLLMEngine) -> list[str]:
-    return on_engine(engine, lambda e: list(e.scheduler.paused.paused))
+    return on_engine(engine, lambda e: list(e.scheduler.state.paused.paused))
 
 
 def test_human_turn_keeps_context(server: ServerThread, engine: AsyncLLMEngine, scripted: ScriptedModel,
@@ -100,7 +100,7 @@ def test_human_turn_keeps_context(server: ServerThread, engine: AsyncLLMEngine, 
     # The turn ended at EOS, but the request is paused (end-of-turn token kept), not finished.
     (rid,) = paused_ids(engine)
     held = first.usage.total_tokens
-    assert held == on_engine(engine, lambda e: e.scheduler.requests[rid].num_tokens)
+    assert held == on_engine(engine, lambda e: e.scheduler.state.requests[rid].num_tokens)
     on_engine(engine, lambda e: e.check_invariants())
 
     history = messages + [choice.message.model_dump(exclude_none=True), {"role": "user", "content": FOLLOW_UP}]
@@ -113,7 +113,7 @@ def test_human_turn_keeps_context(server: ServerThread, engine: AsyncLLMEngine, 
     assert resumed[0][0] == held - 1 and all(start >= held - 1 for start, _ in resumed)
     assert resumed[0][1][0] == first_turn.eos and FOLLOW_UP in scripted_text(resumed[0][1])
     assert second.usage.prompt_tokens_details.cached_tokens == held
-    assert on_engine(engine, lambda e: e.scheduler.last_step_recompute_tokens) == 0
+    assert on_engine(engine, lambda e: e.scheduler.state.last_step_recompute_tokens) == 0
     # Cut off by max_tokens, the second turn is held too (when its tokens re-encode to themselves).
     assert paused_ids(engine) in ([], [rid])
 
@@ -192,8 +192,9 @@ def test_held_human_turn_expires(engine: AsyncLLMEngine, first_turn: FirstTurnSc
 def held_state(engine: AsyncLLMEngine, rid: str) -> tuple[list[int], int, float | None]:
     """(tokens held, KV blocks held, the pause's expected duration) of a paused request."""
     def read(e: Any) -> tuple[list[int], int, float | None]:
-        req = e.scheduler.paused.paused[rid]
-        return list(req.all_token_ids), e.scheduler.kv.num_device_blocks_of(rid), req.interception.expected_duration
+        state = e.scheduler.state
+        req = state.paused.paused[rid]
+        return list(req.all_token_ids), state.kv.num_device_blocks_of(rid), req.interception.expected_duration
     return on_engine(engine, read)
 
 

@@ -143,7 +143,7 @@ def test_streamed_tool_calls_and_close_frees_kv(server: ServerThread, engine: As
     assert engine_stats(engine)[0] > 0
     # The extensions reached the engine: scheduling hints, and the client's duration estimate.
     paused = on_engine(engine, lambda e: [(r.priority, r.program_id, r.interception.expected_duration)
-                                          for r in e.scheduler.paused.paused.values()])
+                                          for r in e.scheduler.state.paused.paused.values()])
     # program_id is scoped to the API key (another key naming "prog-7" is another program).
     assert paused == [(5, scoped_program_id(tenant_id(KEY_A.encode()), "prog-7"), 42.0)]
     assert close(server, session, KEY_A, how="post") == 200

@@ -160,7 +160,7 @@ def test_small_replay_finishes_without_leaks(trace, policy):
     engine = _engine(policy, kv_tokens=6144)
     res, finished = _checked_replay(engine, reqs, arrivals)
     assert res.num_finished == 30 and res.num_unfinished == 0 and not res.stalled
-    kv = engine.scheduler.kv
+    kv = engine.scheduler.state.kv
     assert kv.num_held_blocks() == 0 and not kv.host_tables
     assert not engine.has_unfinished_requests()
     by_key = {f"r{i}-{r.key}": r for i, r in enumerate(reqs)}
@@ -237,7 +237,7 @@ def test_oracle_predictions_are_the_scripts_truth():
             break
         engine.step()
         seen.append((req.predicted_output_tokens, req.predicted_interception_s))
-        if engine.scheduler.last_batch_tokens == 0 and engine.next_timer() is not None:
+        if engine.scheduler.state.last_batch_tokens == 0 and engine.next_timer() is not None:
             engine.clock.advance_to(engine.next_timer())  # only the pause is left: skip to its end
     assert seen[-1] == (9, 0.0) and (5, 2.0) in seen
 

@@ -94,7 +94,7 @@ class SoakScript(support.ScriptedModel):
         self.seen.clear()
         self._steps += 1
         if self._steps % PRUNE_EVERY_STEPS == 0:
-            live = self.engine.scheduler.requests
+            live = self.engine.scheduler.state.requests
             for table in (self._chosen, self._progress):
                 for rid in [rid for rid in table if rid not in live]:
                     del table[rid]
@@ -173,7 +173,8 @@ class SoakServer:
 
 def engine_probe(e: LLMEngine) -> dict[str, int]:
     """Runs on the engine thread between steps: everything that must be zero once the server is idle."""
-    s, kv = e.scheduler, e.scheduler.kv
+    s = e.scheduler.state
+    kv = s.kv
     swapping_out = kv.num_swapping_out_blocks
     return {
         "requests": len(s.requests), "running": len(s.running), "waiting": len(s.waiting),
@@ -195,7 +196,8 @@ def engine_probe(e: LLMEngine) -> dict[str, int]:
 
 def queue_dump(e: LLMEngine) -> list[str]:
     """Where every request is and what KV it holds: the evidence when the engine stops making progress."""
-    s, kv = e.scheduler, e.scheduler.kv
+    s = e.scheduler.state
+    kv = s.kv
     rows, empty = [], 0
     for rid, req in s.requests.items():
         device, host = kv.num_device_blocks_of(rid), kv.num_host_blocks_of(rid)
