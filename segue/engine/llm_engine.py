@@ -209,8 +209,7 @@ class LLMEngine:
         """The scheduler takes the sampled tokens; what happened to each request that got one."""
         self.num_steps += 1
         self.step_seconds += step_s
-        state = self.scheduler.state
-        self.modelled_step_seconds += step_seconds(state.cost, out, state.kv.block_size)[0]
+        self.modelled_step_seconds += step_seconds(self.cost_model, out, self.executor.block_size)[0]
         self.predictors.on_sampled(out.seqs, sampled)
         updates = self.scheduler.update_from_output(out, {rid: s.token_id for rid, s in sampled.items()})
         self._record_waste(out, step_s)
@@ -219,6 +218,6 @@ class LLMEngine:
     def _record_waste(self, out: SchedulerOutput, step_s: float) -> None:
         state = self.scheduler.state
         running_blocks = state.num_device_blocks_of(s.request for s in out.seqs)
-        self.waste.record_step(step_s, state.paused.held_device_blocks(), running_blocks,
+        self.waste.record_step(step_s, state.paused_device_blocks(), running_blocks,
                                state.last_step_recompute_tokens, out.num_batched_tokens,
                                getattr(self.executor, "last_swap_seconds", 0.0))

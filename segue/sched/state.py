@@ -77,6 +77,10 @@ class SchedulerState:
     def num_device_blocks_of(self, requests: Iterable[Request]) -> int:
         return sum(self.kv.held(r.request_id).device for r in requests)
 
+    def paused_device_blocks(self) -> int:
+        """Device blocks paused requests hold (what pausing costs the pool, for waste accounting)."""
+        return self.paused.held_device_blocks()
+
     def paused_kv(self) -> dict[str, tuple[int, int, int]]:
         """The paused requests per KV disposition: (requests, device blocks, host blocks)."""
         rows: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
