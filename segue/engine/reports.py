@@ -14,7 +14,7 @@ def load_report(s: SchedulerState) -> LoadReport:
     """Safe off the engine thread without a lock: each len() is atomic under the GIL, the set of
     them may be one step apart, which is fine for a routing hint."""
     pools = s.kv_counters()
-    return LoadReport(len(s.running), len(s.waiting), len(s.paused.paused), pools.num_used_blocks, pools.num_blocks)
+    return LoadReport(len(s.running), len(s.waiting), s.num_paused(), pools.num_used_blocks, pools.num_blocks)
 
 
 def engine_stats(s: SchedulerState, waste: WasteMeter, num_steps: int, tool_stats: DurationStats,
@@ -22,7 +22,7 @@ def engine_stats(s: SchedulerState, waste: WasteMeter, num_steps: int, tool_stat
     """On the engine thread, between steps: one consistent snapshot."""
     pools = s.kv_counters()
     return EngineStats(
-        running=len(s.running), waiting=len(s.waiting), paused=len(s.paused.paused), swapped=len(s.paused.swapped),
+        running=len(s.running), waiting=len(s.waiting), paused=s.num_paused(), swapped=s.num_swapped(),
         device_blocks_used=pools.num_used_blocks, device_blocks_total=pools.num_blocks,
         host_blocks_used=pools.num_used_host_blocks, host_blocks_total=pools.num_host_blocks,
         paused_kv={d: PausedKV(*row) for d, row in s.paused_kv().items()},

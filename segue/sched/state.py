@@ -77,6 +77,14 @@ class SchedulerState:
     def num_device_blocks_of(self, requests: Iterable[Request]) -> int:
         return sum(self.kv.held(r.request_id).device for r in requests)
 
+    def num_paused(self) -> int:
+        """Paused requests (at a tool call or a turn end); safe off the engine thread (one len())."""
+        return len(self.paused.paused)
+
+    def num_swapped(self) -> int:
+        """Resumed requests whose context is partly on the host, waiting to be swapped in."""
+        return len(self.paused.swapped)
+
     def paused_device_blocks(self) -> int:
         """Device blocks paused requests hold (what pausing costs the pool, for waste accounting)."""
         return self.paused.held_device_blocks()
