@@ -416,13 +416,29 @@ class _HoldingEngine:
         self.updates.append((request_id, latency_sensitive))
 
 
+def _submit_maps(ex: Any, program_id: str, params: Any) -> list[Any]:
+    """Three map calls over literal chunks, each writing its own summary variable s0..s2."""
+    from segue.program.state import CallSpec
+    return [ex.submit(None, program_id, CallSpec(Template.parse(f"M{i} {{{{input:c}}}}:{{{{output:s{i}}}}}"), {},
+                                                 params, literals={"c": f"chunk {i}"}))
+            for i in range(3)]
+
+
+def _submit_reduce(ex: Any, program_id: str, maps: list[Any], params: Any) -> Any:
+    """The reduce call that reads the maps' summaries, its answer asked for with latency."""
+    from segue.program.state import CallSpec
+    return ex.submit(None, program_id,
+                     CallSpec(Template.parse("R {{input:s0}} {{input:s1}} {{input:s2}}:{{output:f}}"),
+                              {f"s{i}": m.output.id for i, m in enumerate(maps)}, params),
+                     criteria=Criteria.LATENCY)
+
+
 def test_launched_map_calls_learn_they_are_a_throughput_task_group() -> None:
     """Map calls reach the engine before the reduce that groups them exists (a client submits
     them first); once it does, the engine hears that they serve throughput."""
     import asyncio
 
     from segue.program.executor import ProgramExecutor
-    from segue.program.state import CallSpec
     from segue.sampling_params import SamplingParams
 
     async def run() -> _HoldingEngine:
@@ -430,16 +446,11 @@ def test_launched_map_calls_learn_they_are_a_throughput_task_group() -> None:
         ex = ProgramExecutor(engine, share_prefix=False)
         program = ex.create_program(None)
         params = SamplingParams(max_tokens=4)
-        maps = [ex.submit(None, program.id, CallSpec(Template.parse(f"M{i} {{{{input:c}}}}:{{{{output:s{i}}}}}"), {},
-                                                     params, literals={"c": f"chunk {i}"}))
-                for i in range(3)]
+        maps = _submit_maps(ex, program.id, params)
         for _ in range(50):
             await asyncio.sleep(0)
         assert engine.sent == {m.id: True for m in maps}  # nothing asks for them yet: latency by default
-        reduce = ex.submit(None, program.id,
-                           CallSpec(Template.parse("R {{input:s0}} {{input:s1}} {{input:s2}}:{{output:f}}"),
-                                    {f"s{i}": m.output.id for i, m in enumerate(maps)}, params),
-                           criteria=Criteria.LATENCY)
+        reduce = _submit_reduce(ex, program.id, maps, params)
         assert sorted(engine.updates) == sorted((m.id, False) for m in maps)
         engine.release.set()
         await asyncio.wait_for(reduce.task, 5)
@@ -455,7 +466,6 @@ def test_map_calls_reach_the_engine_with_their_task_group() -> None:
     import asyncio
 
     from segue.program.executor import ProgramExecutor
-    from segue.program.state import CallSpec
     from segue.sampling_params import SamplingParams
 
     async def run() -> None:
@@ -463,14 +473,9 @@ def test_map_calls_reach_the_engine_with_their_task_group() -> None:
         ex = ProgramExecutor(engine, share_prefix=False)
         program = ex.create_program(None)
         params = SamplingParams(max_tokens=4)
-        maps = [ex.submit(None, program.id, CallSpec(Template.parse(f"M{i} {{{{input:c}}}}:{{{{output:s{i}}}}}"), {},
-                                                     params, literals={"c": f"chunk {i}"}))
-                for i in range(3)]
+        maps = _submit_maps(ex, program.id, params)
         # Submitted before any map runs: the graph already shows the maps feed one consumer.
-        reduce = ex.submit(None, program.id,
-                           CallSpec(Template.parse("R {{input:s0}} {{input:s1}} {{input:s2}}:{{output:f}}"),
-                                    {f"s{i}": m.output.id for i, m in enumerate(maps)}, params),
-                           criteria=Criteria.LATENCY)
+        reduce = _submit_reduce(ex, program.id, maps, params)
         for _ in range(50):
             await asyncio.sleep(0)
         assert engine.groups == {m.id: reduce.id for m in maps}
