@@ -93,9 +93,6 @@ class BlockPool:
         """Free blocks that a prefix hit could still revive."""
         return len(self._lru) + len(self._hinted)
 
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
-
     def allocate(self, n: int) -> list[KVBlock]:
         if n > self.num_free_blocks:
             raise NoFreeBlocksError(f"{self.name} pool: asked for {n} blocks, {self.num_free_blocks} free")

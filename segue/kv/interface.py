@@ -124,10 +124,6 @@ class KVCounters:
     def has_host_tier(self) -> bool:
         return self.num_host_blocks > 0
 
-    def usage(self) -> float:
-        """The device pool's used fraction."""
-        return self.num_used_blocks / self.num_blocks
-
 
 class KVCache(Protocol):
     """The verbs the scheduler may call (implemented by KVCacheManager)."""

@@ -8,8 +8,6 @@ decisions are the scheduler's: sched/request_update.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from segue.config import SchedulerConfig
 from segue.kv.interface import KVCache
 from segue.request import Request, RequestStatus
@@ -22,16 +20,6 @@ from segue.sched.preemption import keep_reserve
 from segue.sched.request_update import Outcome, RequestUpdate
 from segue.sched.state import SchedulerState
 from segue.sched.thrashing import rejoin_resident, running_needs
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_preemptions_total: int
-    prefix_cache_hit_tokens: int
-    prefix_cache_query_tokens: int
 
 
 class Scheduler:
@@ -294,11 +282,6 @@ class Scheduler:
             return params.pause_on_stop
         # Only max_tokens: at the context window no next turn would fit.
         return params.pause_on_length and req.num_tokens < self.state.max_model_len
-
-    def stats(self) -> SchedulerStats:
-        state = self.state
-        return SchedulerStats(len(state.running), len(state.waiting), state.kv.counters().usage(),
-                              state.num_preemptions_total, state.prefix_hit_tokens, state.prefix_query_tokens)
 
     def check_invariants(self) -> None:
         self.state.check_invariants()
