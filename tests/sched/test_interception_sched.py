@@ -8,7 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fake_executor import VOCAB, FakeKVExecutor, expected_output, tool_tokens
+from fake_executor import VOCAB, FakeKVExecutor, PlannedPauses
 from segue.config import SchedulerConfig
 from segue.kv.manager import KVCacheManager
 from segue.request import Request, RequestStatus
@@ -32,7 +32,7 @@ def test_random_pauses_and_resumes_keep_kv_correct(seed, policy, num_blocks, hos
                       make_policy("fcfs"), max_model_len=num_blocks * bs // 2,
                       interception=make_interception_policy(policy), cost=cost)
     ex = FakeKVExecutor(bs)
-    reqs, plans = [], {}
+    reqs, pauses = [], PlannedPauses(rng)
     # Most requests share a system prompt, so dispositions meet blocks shared through the cache.
     system = [rng.randrange(VOCAB) for _ in range(rng.choice([0, 4, 9, 12]))]
     for i in range(rng.randrange(1, 8)):
@@ -40,42 +40,31 @@ def test_random_pauses_and_resumes_keep_kv_correct(seed, policy, num_blocks, hos
         if rng.random() < 0.7:
             prompt = system + prompt
         max_tokens = rng.randrange(2, 8)
-        pause_at = set(rng.sample(range(1, max_tokens), k=min(2, max_tokens - 1)))
+        pause_at = pauses.draw(max_tokens)
         if len(prompt) + max_tokens + 6 > sched.state.max_model_len:
             continue
         req = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), float(i))
         reqs.append(req)
-        plans[req.request_id] = pause_at
+        pauses.plans[req.request_id] = pause_at
         sched.add_request(req)
-    pending_resume: list[tuple[float, Request, list[int]]] = []
-    pauses_done = {r.request_id: 0 for r in reqs}
     now = 0.0
     for _ in range(3000):
         if not sched.has_unfinished_requests():
             break
         now += 0.01
-        for item in [p for p in pending_resume if p[0] <= now]:
-            pending_resume.remove(item)
-            sched.resume_request(item[1], item[2], now)
+        pauses.resume_due(sched, now)
         if caching and rng.random() < 0.05:
             kv.device.reset_prefix_cache()  # as if evicted: later hits must come from the host tier
         out = sched.schedule(now)
         sampled = ex.execute(out)
         got = sched.update_from_output(out, sampled)
-        for req in (u.request for u in got):
-            if req.is_finished or req.num_generated_tokens not in plans[req.request_id]:
-                continue
-            k = pauses_done[req.request_id]
-            pauses_done[req.request_id] += 1
-            sched.intercept_request(req, now, tool="t", expected_s=rng.choice([None, 0.05]))
-            pending_resume.append((now + rng.choice([0.0, 0.02, 0.2]), req, tool_tokens(req, k)))
+        pauses.pause_planned(sched, (u.request for u in got), now, expected_s=(None, 0.05))
         sched.check_invariants()
     assert not sched.has_unfinished_requests(), "requests left unfinished"
     assert kv.num_held_blocks() == 0 and not kv.host_tables
     for req in reqs:
         assert req.status == RequestStatus.FINISHED_LENGTH
-        assert req.output_token_ids == expected_output(req.prompt_token_ids, req.sampling_params.max_tokens,
-                                                       plans[req.request_id])
+        assert req.output_token_ids == pauses.expected(req)
 
 
 class _ByPriority(make_policy("fcfs").__class__):

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from fake_executor import FakeKVExecutor, expected_output, tool_tokens
+from fake_executor import FakeKVExecutor, PlannedPauses
 from segue.config import SchedulerConfig
 from segue.kv.manager import KVCacheManager
 from segue.request import Disposition, Request, RequestStatus
@@ -315,7 +315,7 @@ def test_random_workload_with_pauses_keeps_invariants_and_outputs(seed, intercep
                       max_model_len=kv.device.num_blocks * bs // 2, interception=make_interception_policy(interception),
                       cost=COST)
     ex = FakeKVExecutor(bs)
-    reqs, plans = [], {}
+    reqs, pauses = [], PlannedPauses(rng)
     for i in range(8):
         prompt = [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
         max_tokens = rng.randrange(2, 8)
@@ -325,33 +325,26 @@ def test_random_workload_with_pauses_keeps_invariants_and_outputs(seed, intercep
         # Predictions from wildly right to wildly wrong, or none.
         req.predicted_output_tokens = rng.choice([None, 1, max_tokens, 50])
         req.predicted_interception_s = rng.choice([None, 0.0, 0.02, 5.0])
-        plans[req.request_id] = set(rng.sample(range(1, max_tokens), k=min(2, max_tokens - 1)))
+        pauses.plans[req.request_id] = pauses.draw(max_tokens)
         reqs.append(req)
         sched.add_request(req)
-    pending: list[tuple[float, Request, list[int]]] = []
-    pauses = {r.request_id: 0 for r in reqs}
+
+    def _repredict(req: Request) -> None:
+        # A resumed request is predicted afresh (its next pause may differ).
+        req.predicted_interception_s = rng.choice([None, 0.0, 0.3])
+
     now = 0.0
     for _ in range(3000):
         if not sched.has_unfinished_requests():
             break
         now += 0.01
-        for item in [p for p in pending if p[0] <= now]:
-            pending.remove(item)
-            item[1].predicted_interception_s = rng.choice([None, 0.0, 0.3])
-            sched.resume_request(item[1], item[2], now)
+        pauses.resume_due(sched, now, before=_repredict)
         out = sched.schedule(now)
         got = sched.update_from_output(out, ex.execute(out))
-        for req in (u.request for u in got):
-            if req.is_finished or req.num_generated_tokens not in plans[req.request_id]:
-                continue
-            k = pauses[req.request_id]
-            pauses[req.request_id] += 1
-            sched.intercept_request(req, now, tool="t")
-            pending.append((now + rng.choice([0.0, 0.02, 0.2]), req, tool_tokens(req, k)))
+        pauses.pause_planned(sched, (u.request for u in got), now)
         sched.check_invariants()
     assert not sched.has_unfinished_requests(), "requests left unfinished"
     assert kv.num_held_blocks() == 0 and not kv.host_tables
     assert not policy.tracks, "the policy kept state for finished requests"
     for req in reqs:
-        assert req.output_token_ids == expected_output(req.prompt_token_ids, req.sampling_params.max_tokens,
-                                                       plans[req.request_id])
+        assert req.output_token_ids == pauses.expected(req)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fake_executor import VOCAB, FakeKVExecutor, expected_output, tool_tokens
+from fake_executor import VOCAB, FakeKVExecutor, PlannedPauses, expected_output
 from segue.config import SchedulerConfig
 from segue.kv.manager import KVCacheManager
 from segue.request import Request, RequestStatus
@@ -334,19 +334,17 @@ def test_random_mlfq_runs_keep_kv_correct(seed, num_blocks, host_blocks, interce
                     starvation_limit_s=rng.choice([0.02, 0.2, 5.0]), reserve_window_s=reserve_window_s)
     sched.state.max_model_len = num_blocks * BS // 2
     ex = FakeKVExecutor(BS)
-    arrivals, plans = [], {}
+    arrivals, pauses = [], PlannedPauses(rng)
     for i in range(rng.randrange(1, 10)):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 16))]
         max_tokens = rng.randrange(2, 10)
         if len(prompt) + max_tokens + 6 > sched.state.max_model_len:
             continue
         r = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), 0.0)
-        plans[r.request_id] = set(rng.sample(range(1, max_tokens), k=min(2, max_tokens - 1)))
+        pauses.plans[r.request_id] = pauses.draw(max_tokens)
         arrivals.append((rng.choice([0.0, 0.0, 0.05, 0.3]), r))
     arrivals.sort(key=lambda a: a[0])
     reqs = [r for _, r in arrivals]
-    pending_resume: list[tuple[float, Request, list[int]]] = []
-    pauses_done = {r.request_id: 0 for r in reqs}
     now = 0.0
     for _ in range(5000):
         if not arrivals and not sched.has_unfinished_requests():
@@ -354,22 +352,14 @@ def test_random_mlfq_runs_keep_kv_correct(seed, num_blocks, host_blocks, interce
         now += 0.01
         while arrivals and arrivals[0][0] <= now:
             sched.add_request(arrivals.pop(0)[1])
-        for item in [p for p in pending_resume if p[0] <= now]:
-            pending_resume.remove(item)
-            sched.resume_request(item[1], item[2], now)
+        pauses.resume_due(sched, now)
         out = sched.schedule(now)
         # Starvation prevention promoted everyone due (found through its service-time heap).
         limit = sched.state.policy.options.starvation_limit_s
         assert all(now - e.last_served < limit - 1e-9 for e in sched.state.policy.entries.values()
                    if e.level > 0 and not e.paused)
         got = sched.update_from_output(out, ex.execute(out))
-        for r in (u.request for u in got):
-            if r.is_finished or r.num_generated_tokens not in plans[r.request_id]:
-                continue
-            k = pauses_done[r.request_id]
-            pauses_done[r.request_id] += 1
-            sched.intercept_request(r, now, tool="t", expected_s=rng.choice([None, 0.05]))
-            pending_resume.append((now + rng.choice([0.0, 0.02, 0.2]), r, tool_tokens(r, k)))
+        pauses.pause_planned(sched, (u.request for u in got), now, expected_s=(None, 0.05))
         sched.check_invariants()
         _assert_enst_sums_current(sched.state.policy)
         _assert_queue_order_current(sched.state.policy, list(sched.state.requests.values()), now)
@@ -378,8 +368,7 @@ def test_random_mlfq_runs_keep_kv_correct(seed, num_blocks, host_blocks, interce
     assert sched.state.policy._count == [0] * len(sched.state.policy.quanta)
     for r in reqs:
         assert r.status == RequestStatus.FINISHED_LENGTH
-        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.sampling_params.max_tokens,
-                                                     plans[r.request_id])
+        assert r.output_token_ids == pauses.expected(r)
 
 
 @pytest.mark.parametrize("share, expect", [(0.5, {"n": 14, "x": 1, "y": 1}), (0.0, {"n": 16})])
