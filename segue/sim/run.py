@@ -81,8 +81,11 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                         "else as large as the device pool)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: 16)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step (default: the preset's saturation point)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (default: 256, as vLLM)")
+                   help="token budget per step (default: the preset's saturation point; --workload agents: "
+                        f"the server's, {SchedulerConfig.max_num_batched_tokens})")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"sequences per step (default: 256, as vLLM; --workload agents: the server's, "
+                        f"{SchedulerConfig.max_num_seqs})")
     g.add_argument("--watermark", type=float, default=SchedulerConfig.watermark,
                    help="fraction of the KV pool kept free when admitting new requests (default: 0)")
     g.add_argument("--no-agent-retention", action="store_true",
@@ -180,6 +183,7 @@ def run_sim(args: argparse.Namespace) -> int:
         raise SystemExit("--kv-cache-tokens is required with a profile JSON")
     swap_tokens = args.swap_space_tokens if args.swap_space_tokens is not None else kv_tokens
     batched = args.max_num_batched_tokens or cost.saturation_tokens
+    max_num_seqs = args.max_num_seqs or 256
     rates = args.rates or [1.0, 2.0, 3.0, 4.0, 5.0]
     trace, dropped = load_workload(args, args.max_model_len)
     progress = not args.no_progress
@@ -193,7 +197,7 @@ def run_sim(args: argparse.Namespace) -> int:
             config = EngineConfig(
                 cache=CacheConfig(block_size=bs, kv_cache_tokens=kv_tokens, swap_space_tokens=swap_tokens,
                                   enable_prefix_caching=not args.no_prefix_caching),
-                scheduler=SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=args.max_num_seqs,
+                scheduler=SchedulerConfig(max_num_batched_tokens=batched, max_num_seqs=max_num_seqs,
                                           watermark=args.watermark,
                                           policy=args.policy, policy_options=dict(args.policy_option),
                                           interception_policy=name, agent_retention=not args.no_agent_retention,
@@ -224,7 +228,7 @@ def run_sim(args: argparse.Namespace) -> int:
             "command": shlex.join([os.path.basename(sys.argv[0]) or "segue", *sys.argv[1:]]),
             "preset": args.preset, "cost_model": cost.__dict__, "kv_cache_tokens": kv_tokens,
             "swap_space_tokens": swap_tokens, "max_num_batched_tokens": batched,
-            "max_num_seqs": args.max_num_seqs, "watermark": args.watermark, "max_model_len": args.max_model_len,
+            "max_num_seqs": max_num_seqs, "watermark": args.watermark, "max_model_len": args.max_model_len,
             "policy": args.policy,
             "policy_options": dict(args.policy_option), "oracle_predictions": args.oracle_predictions,
             "prediction_noise": args.prediction_noise,

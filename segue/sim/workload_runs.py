@@ -57,17 +57,24 @@ def _engine(args: argparse.Namespace, interception: str | None = None, prefix_ca
                                                          args.gpu_memory_gib)
     if kv is None:
         raise SystemExit("--kv-cache-tokens is required with a profile JSON")
+    # The agents workload is replayed against `segue serve` with the same flags (segue bench
+    # agents), so what they leave unsaid is the server's default: its host tier, not the device
+    # pool's size (with 8,192 device tokens that hid most of the write-backs the server makes), and
+    # its step budget and sequence limit, not the preset's saturation point and vLLM's 256 (with a
+    # 512-token budget the simulator chunked prompts the server prefills in one step, and starved
+    # newcomers on a seed where the server let every one in within 9 s; BENCHMARKS.md).
+    serves = args.workload == "agents"
     host = args.swap_space_tokens
     if host is None:
-        # The agents workload is replayed against `segue serve` with the same flags (segue bench
-        # agents): its host tier must be the server's default, not the device pool's size (with
-        # 8,192 device tokens that hid most of the write-backs the server makes).
-        host = CacheConfig.swap_space_tokens if args.workload == "agents" else kv
+        host = CacheConfig.swap_space_tokens if serves else kv
+    budget = args.max_num_batched_tokens or (
+        SchedulerConfig.max_num_batched_tokens if serves else cost.saturation_tokens)
+    max_num_seqs = args.max_num_seqs or (SchedulerConfig.max_num_seqs if serves else 256)
     config = EngineConfig(
         cache=CacheConfig(block_size=args.block_size, kv_cache_tokens=kv, swap_space_tokens=host,
                           enable_prefix_caching=prefix_caching and not args.no_prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens or cost.saturation_tokens,
-                                  max_num_seqs=args.max_num_seqs, watermark=args.watermark, policy=args.policy,
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                                  watermark=args.watermark, policy=args.policy,
                                   policy_options=dict(args.policy_option), latency_capacity_tokens=latency_capacity,
                                   interception_policy=interception or "min-waste",
                                   prefix_eviction=prefix_eviction,

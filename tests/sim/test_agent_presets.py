@@ -82,3 +82,27 @@ def test_sim_replays_a_slower_machine_with_the_step_time_scale(tmp_path):
         rows = json.loads(path.read_text())["rows"]
         times.append(rows[0]["mean_busy_s"])
     assert times[1] > 1.5 * times[0]
+
+
+def test_sim_agents_schedule_as_the_server_they_replay_and_traces_as_the_preset():
+    # `segue sim --workload agents` stands for `segue serve` with the same flags: the step budget,
+    # sequence limit and host tier it leaves unsaid are the server's; a program workload keeps
+    # the preset's saturation point and vLLM's 256 sequences.
+    from segue.sim.run import add_sim_args
+    from segue.sim.workload_runs import _engine
+
+    def config(*argv: str) -> tuple[SchedulerConfig, CacheConfig]:
+        p = argparse.ArgumentParser()
+        add_sim_args(p)
+        engine = _engine(p.parse_args(["--kv-cache-tokens", "8192", *argv]))
+        return engine.scheduler.state.config, engine.config.cache
+
+    sched, cache = config("--workload", "agents")
+    assert (sched.max_num_batched_tokens, sched.max_num_seqs) == (SchedulerConfig.max_num_batched_tokens,
+                                                                  SchedulerConfig.max_num_seqs)
+    assert cache.swap_space_tokens == CacheConfig.swap_space_tokens
+    sched, _ = config("--workload", "agents", "--max-num-batched-tokens", "512", "--max-num-seqs", "8")
+    assert (sched.max_num_batched_tokens, sched.max_num_seqs) == (512, 8)
+    sched, cache = config("--workload", "chain")
+    assert (sched.max_num_batched_tokens, sched.max_num_seqs) == (PRESETS["gptj-6b-a100"].saturation_tokens, 256)
+    assert cache.swap_space_tokens == 8192
