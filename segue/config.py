@@ -81,14 +81,13 @@ class SchedulerConfig:
     # The longest a new agent's first turn waits behind running agents' histories (seconds of the
     # scheduler's clock; sched/newcomers.py): past it, it goes ahead of later turns sent after it
     # and may release retained histories. None: no bound (only thrashing.py's recompute-time one).
-    # 10 s, measured on the simulator's pressure preset (seeds 1-3, steps 1.6x and 2x the default
-    # cost model, as on a slower CPU; BENCHMARKS.md): unbounded, a first token waited 20-28 s at
-    # p90 on seed 1; 10 s caps it at 10-11 s (vLLM's p90 on the AMX Xeon: 11 s) while plain
-    # clients' later turns keep 47-63 % of their mean-TTFT gain over FCFS, a p90 no worse than
-    # FCFS's, and agent time moves < 2.5 %. 5 s and 2 s cap it lower but at 2x give later turns
-    # a p90 worse than FCFS's (8.1 and 9.0 s against 6.8 s); 20 s keeps more of their gain but
-    # lets a newcomer wait 20 s.
-    max_newcomer_wait_s: float | None = 10.0
+    # 2.5 s, measured on the pressure preset (BENCHMARKS.md, "How long a newcomer waits"): on the
+    # real engine (seeds 1-4, 2-core EPYC) a first token's p90 was 4.1 s (FCFS 5.0, 10 s bound
+    # 11.4, none 36.5) with agent time within 1 % of the 10 s bound's and 13 % ahead of FCFS; the
+    # simulator (8 seeds, this machine's profile at 1x and 2x step time) agrees: agent time moves
+    # < 1 % between 0 and 20 s while the first-turn p90 follows the bound. What a lower bound
+    # gives up is later turns' TTFT (mean 7.5 s against 6.6 s at 10 s; FCFS 8.8 s).
+    max_newcomer_wait_s: float | None = 2.5
 
     def validate(self) -> None:
         if self.prefix_eviction not in ("lru", "reuse"):
