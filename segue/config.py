@@ -83,10 +83,10 @@ class SchedulerConfig:
     # and may release retained histories. None: no bound (only thrashing.py's recompute-time one).
     # 2.5 s, measured on the pressure preset (BENCHMARKS.md, "How long a newcomer waits"): on the
     # real engine (seeds 1-4, 2-core EPYC) a first token's p90 was 4.1 s (FCFS 5.0, 10 s bound
-    # 11.4, none 36.5) with agent time within 1 % of the 10 s bound's and 13 % ahead of FCFS; the
+    # 11.2, none 36.5) with agent time within 1 % of the 10 s bound's and 13 % ahead of FCFS; the
     # simulator (8 seeds, this machine's profile at 1x and 2x step time) agrees: agent time moves
-    # < 1 % between 0 and 20 s while the first-turn p90 follows the bound. What a lower bound
-    # gives up is later turns' TTFT (mean 7.5 s against 6.6 s at 10 s; FCFS 8.8 s).
+    # < 1.5 % between 0 and 20 s while the first-turn p90 follows the bound. What a lower bound
+    # gives up is later turns' TTFT (mean 7.5 s against 7.0 s at 10 s; FCFS 8.8 s).
     max_newcomer_wait_s: float | None = 2.5
 
     def validate(self) -> None:
