@@ -7,7 +7,7 @@ import copy
 import os
 import tempfile
 
-from segue.config import EngineConfig
+from segue.config import EngineConfig, SchedulerConfig
 from segue.engine.llm_engine import LLMEngine
 from segue.executor.sim_executor import SimClock, SimExecutor, SimTokenizer, sim_model_config
 from segue.sched.cost_model import CostModel
@@ -41,6 +41,17 @@ def make_sim_engine(cost: CostModel, kv_cache_tokens: int, config: EngineConfig 
     config.scheduler.profile_path = None
     engine.clock = clock
     return engine
+
+
+def step_limits(max_num_batched_tokens: int | None, max_num_seqs: int | None, cost: CostModel,
+                serves: bool) -> tuple[int, int]:
+    """The step budget and sequence limit of a simulation, where its flags leave them unsaid: the
+    server's defaults for a run that stands for `segue serve` (`serves`), else the preset's
+    saturation point and vLLM's 256 sequences (InferCept's setting)."""
+    if serves:
+        return (max_num_batched_tokens or SchedulerConfig.max_num_batched_tokens,
+                max_num_seqs or SchedulerConfig.max_num_seqs)
+    return max_num_batched_tokens or cost.saturation_tokens, max_num_seqs or 256
 
 
 # Device KV pool assumed for each preset: vLLM's default gpu_memory_utilization (0.9) of the

@@ -12,7 +12,7 @@ from typing import Any
 from segue.config import SchedulerConfig
 from segue.engine.args import add_newcomer_wait_arg
 from segue.sched.interception import INTERCEPTION_POLICIES
-from segue.sim.engine import default_kv_cache_tokens
+from segue.sim.engine import default_kv_cache_tokens, step_limits
 
 ALL_INTERCEPTION = "discard,improved-discard,preserve,swap,ttl,min-waste"
 
@@ -182,8 +182,7 @@ def run_sim(args: argparse.Namespace) -> int:
     if kv_tokens is None:
         raise SystemExit("--kv-cache-tokens is required with a profile JSON")
     swap_tokens = args.swap_space_tokens if args.swap_space_tokens is not None else kv_tokens
-    batched = args.max_num_batched_tokens or cost.saturation_tokens
-    max_num_seqs = args.max_num_seqs or 256
+    batched, max_num_seqs = step_limits(args.max_num_batched_tokens, args.max_num_seqs, cost, serves=False)
     rates = args.rates or [1.0, 2.0, 3.0, 4.0, 5.0]
     trace, dropped = load_workload(args, args.max_model_len)
     progress = not args.no_progress

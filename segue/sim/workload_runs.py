@@ -50,7 +50,7 @@ def _engine(args: argparse.Namespace, interception: str | None = None, prefix_ca
             latency_capacity: int | None = None, prefix_eviction: str = "lru") -> Any:
     from segue.config import CacheConfig, EngineConfig, SchedulerConfig
     from segue.sched.cost_model import load_preset
-    from segue.sim.engine import default_kv_cache_tokens, make_sim_engine
+    from segue.sim.engine import default_kv_cache_tokens, make_sim_engine, step_limits
 
     cost = load_preset(args.preset, args.step_time_scale)
     kv = args.kv_cache_tokens or default_kv_cache_tokens(args.preset, cost.kv_bytes_per_token, args.block_size,
@@ -67,9 +67,7 @@ def _engine(args: argparse.Namespace, interception: str | None = None, prefix_ca
     host = args.swap_space_tokens
     if host is None:
         host = CacheConfig.swap_space_tokens if serves else kv
-    budget = args.max_num_batched_tokens or (
-        SchedulerConfig.max_num_batched_tokens if serves else cost.saturation_tokens)
-    max_num_seqs = args.max_num_seqs or (SchedulerConfig.max_num_seqs if serves else 256)
+    budget, max_num_seqs = step_limits(args.max_num_batched_tokens, args.max_num_seqs, cost, serves)
     config = EngineConfig(
         cache=CacheConfig(block_size=args.block_size, kv_cache_tokens=kv, swap_space_tokens=host,
                           enable_prefix_caching=prefix_caching and not args.no_prefix_caching),
