@@ -8,13 +8,16 @@ preset) a new agent's first token took 166 s at p90 against vLLM's 11 s, and the
 the machine's step time, not with anything the scheduler measures. Past the bound a newcomer goes
 ahead: admission offers it before agents' later turns sent after it (`newcomers_first`; they
 queue by their agent's first arrival, so without the bound they all go first), and it may release
-others' retained histories and paused contexts, as much as makes it fit and no more (thrashing.py's
-all-or-nothing release); short even then, it keeps the memory that frees up (head-of-line).
+idle agents' retained histories, as many as make it fit and no more (thrashing.py's all-or-nothing
+release); short even then, it keeps the memory that frees up (head-of-line). It never releases a
+paused context (a tool call's, a session's turn waiting on its client): whether that one is worth
+keeping is the interception policy's cost to weigh, not a timer's.
 
 A newcomer is a request of an agent's first turn (one no earlier turn links to) that has not
 produced a token yet; a later turn is a request that continues an agent (a plain client's next
 prompt) or a session resumed at a turn's end. A tool call's resume (the InferCept trace) is
-neither: the bound never reorders it.
+neither: the bound never reorders it, and the context it is paused with is never released for a
+newcomer (on the InferCept trace every plain request is a newcomer).
 """
 from __future__ import annotations
 

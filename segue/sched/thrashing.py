@@ -9,7 +9,11 @@ real engine) admitting without this test cost 47-170 preemptions a run; with it,
 1.10-1.24x less agent time (BENCHMARKS.md). A turn whose own history is retained, and a request
 that has waited past its starvation bound, may release others' histories, the least valuable
 first, and only when that lets it in; so may a new agent's first turn past the newcomer bound
-(sched/newcomers.py), paused contexts too. Non-preemptive orders only (sched/admission.py). Pure Python.
+(sched/newcomers.py). Paused contexts (a tool call's, a session's turn waiting on its client) are
+released only for a request that holds its own context, as a running request's growth would take
+them, never for a timer: what they are worth is the interception policy's to weigh (min-waste: the
+recompute against what holding costs), and a bound on a newcomer's wait knows nothing of it.
+Non-preemptive orders only (sched/admission.py). Pure Python.
 """
 from __future__ import annotations
 
@@ -77,10 +81,12 @@ def fit_beside_agents(sched: SchedulerState, req: Request, hit: PrefixHit, commi
     one that holds its context (a session's turn resumed after its tool, whose appended tokens
     and output grow it as much as a plain client's next prompt would). Retained histories are
     released for it when its own history is retained or held, or it is past its bound; a held
-    one also takes other paused requests' contexts, as a running request's growth would, and so
-    does a newcomer past the newcomer bound (a session holds what a plain client's agent
-    retains). A request `alone` (nothing else runs or was admitted this step) always may: nothing
-    else would ever free memory for it."""
+    one also takes other paused requests' contexts, as a running request's growth would. A
+    newcomer past the newcomer bound takes retained histories only: paused contexts are the
+    interception policy's (on the InferCept trace every plain request is a newcomer, and releasing
+    preserved tool calls for overdue ones cost min-waste 3 % and swap 10 % normalized latency at
+    8 req/s; BENCHMARKS.md). A request `alone` (nothing else runs or was admitted this
+    step) always may: nothing else would ever free memory for it."""
     agents = sched.agents
     assert agents is not None
     short = _shortfall(sched, req, hit, committed)
@@ -90,7 +96,8 @@ def fit_beside_agents(sched: SchedulerState, req: Request, hit: PrefixHit, commi
     past = overdue or _past_bound(sched, req, short)
     holds = req.num_computed_tokens > 0
     keep = agents.agent_of(req)
-    paused = sched.paused.releasable() if holds or overdue else []
+    # Not `or overdue`: a timer never decides a paused context's fate (see the docstring).
+    paused = sched.paused.releasable() if holds else []
     histories = agents.releasable(keep) if past or holds or agents.is_resident(req) else []
     # All or nothing: a release that leaves the request waiting destroys others' KV for no
     # admission, and the same candidate asks again next step, so it would cascade through every

@@ -14,6 +14,7 @@ from segue.engine.args import add_engine_args, engine_config_from_args
 from segue.kv.manager import KVCacheManager
 from segue.request import Request, RequestStatus
 from segue.sched.cost_model import CostModel
+from segue.sched.interception import make_interception_policy
 from segue.sched.newcomers import is_later_turn, is_newcomer, is_overdue, newcomers_first
 from segue.sched.policies import make_policy
 from segue.sched.scheduler import Scheduler
@@ -115,6 +116,35 @@ def test_an_overdue_newcomer_releases_one_history_and_starts(wait):
         step(sched, run)
         run += 0.1
     assert newcomer.status is RequestStatus.FINISHED_LENGTH and sched.state.num_preemptions_total == 0
+
+
+@pytest.mark.parametrize("turn_end", [False, True], ids=["tool-call", "session-turn-end"])
+def test_a_preserved_paused_context_survives_an_overdue_newcomer(turn_end):
+    # The bound is a timer: it may take idle agents' retained histories, never a context the
+    # interception policy chose to keep (a tool call's, a session's turn waiting on its client).
+    kv = KVCacheManager(BS, 20)
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_newcomer_wait_s=0.5)
+    sched = Scheduler(cfg, kv, make_policy("fcfs"), max_model_len=20 * BS, cost=SLOW,
+                      interception=make_interception_policy("preserve"))
+    runner = turn("r", [90, 91], 0.0, max_tokens=200)                # never alone in the pool
+    paused = turn("p", list(range(100, 144)), 0.0, max_tokens=20)    # 11 blocks, then a tool call
+    for req in (runner, paused):
+        sched.add_request(req)
+    step(sched, 0.0)
+    sched.intercept_request(paused, 0.1, tool="search", turn_end=turn_end)
+    private = kv.num_private_blocks_of("p")
+    assert private >= 11
+    newcomer = turn("n", list(range(200, 228)), 0.1)                  # 8 blocks: more than are free
+    sched.add_request(newcomer)
+    now = 0.1
+    while now < 3.0:                                                 # well past the 0.5 s bound
+        step(sched, now)
+        now += 0.1
+        assert kv.num_private_blocks_of("p") == private, "the newcomer bound released a paused context"
+    assert is_overdue(sched.state, newcomer) and newcomer.num_computed_tokens == 0
+    assert paused.interception is not None and paused.interception.disposition.value == "preserve"
+    # Its whole context is still computed on the device: a resume recomputes nothing.
+    assert kv.held("p").device * BS >= paused.num_computed_tokens == paused.num_tokens - 1
 
 
 # ---- the simulator: pressure preset, small ------------------------------------------------
