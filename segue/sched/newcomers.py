@@ -21,7 +21,6 @@ newcomer (on the InferCept trace every plain request is a newcomer).
 """
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Iterator
 
 from segue.request import Request
@@ -59,31 +58,35 @@ def turn_arrival(req: Request) -> float:
     return last.t_resume if last is not None and last.t_resume is not None else req.arrival_time
 
 
+def _overdue(sched: SchedulerState, bound: float) -> Iterator[Request]:
+    """The waiting newcomers past the bound, earliest arrival first, read from the index of first
+    turns (sched/first_turns.py) rather than from the waiting queue; lazy."""
+    for req in sched.first_turns.arrived_by(sched.now - bound):
+        if req in sched.waiting and is_newcomer(sched, req):
+            yield req
+
+
 def newcomers_first(sched: SchedulerState, ordered: Iterable[Request]) -> Iterator[Request]:
     """`ordered` (the policy's order), with each overdue newcomer moved just ahead of the first
     later turn sent after it, as FCFS by each turn's own arrival would put it; the later turns
-    ahead of that one, sent before it, keep their place. Lazy: the queue behind the first later
-    turn is read only when admission gets that far (under overload it holds thousands)."""
-    if sched.config.max_newcomer_wait_s is None:
+    ahead of that one, sent before it, keep their place. Lazy on both sides: `ordered` is read
+    only as far as admission goes (under overload the queue holds thousands), and the overdue
+    newcomers come from the index of first turns in arrival order, only as many as are moved."""
+    bound = sched.config.max_newcomer_wait_s
+    if bound is None:
         yield from ordered
         return
-    it = iter(ordered)
-    for req in it:
-        if not is_later_turn(sched, req):
+    overdue = _overdue(sched, bound)
+    head = next(overdue, None)
+    done: set[str] = set()
+    for req in ordered:
+        if is_later_turn(sched, req):
+            sent = turn_arrival(req)
+            while head is not None and head.arrival_time < sent:
+                if head.request_id not in done:
+                    done.add(head.request_id)
+                    yield head
+                head = next(overdue, None)
+        if req.request_id not in done:
+            done.add(req.request_id)
             yield req
-            continue
-        rest = [req, *it]
-        pending = deque(sorted((r for r in rest if is_overdue(sched, r)), key=lambda r: r.arrival_time))
-        done: set[str] = set()
-        for r in rest:
-            if is_later_turn(sched, r):
-                sent = turn_arrival(r)
-                while pending and pending[0].arrival_time < sent:
-                    newcomer = pending.popleft()
-                    if newcomer.request_id not in done:
-                        done.add(newcomer.request_id)
-                        yield newcomer
-            if r.request_id not in done:
-                done.add(r.request_id)
-                yield r
-        return

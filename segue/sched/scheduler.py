@@ -14,6 +14,7 @@ from segue.request import Request, RequestStatus
 from segue.sched.admission import admit_waiting
 from segue.sched.cost_model import CostModel
 from segue.sched.interception import InterceptionPolicy
+from segue.sched.newcomers import is_newcomer
 from segue.sched.output import ScheduledSeq, SchedulerOutput
 from segue.sched.policies import SchedulingPolicy
 from segue.sched.preemption import keep_reserve
@@ -40,6 +41,8 @@ class Scheduler:
         if self.state.agents is not None:
             self.state.agents.on_arrival(request, self.state.now)
         self.state.waiting.append(request)
+        if self.state.config.max_newcomer_wait_s is not None and is_newcomer(self.state, request):
+            self.state.first_turns.add(request)
         self.state.policy.on_arrival(request, self.state.now)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:

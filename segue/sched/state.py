@@ -12,6 +12,7 @@ from segue.kv.interface import KVCache, KVCounters
 from segue.request import Request, RequestStatus
 from segue.sched.agents import AgentTracker
 from segue.sched.cost_model import CostModel
+from segue.sched.first_turns import FirstTurns
 from segue.sched.interception import InterceptionPolicy, make_interception_policy
 from segue.sched.paused import PausedRequests
 from segue.sched.policies import SchedulingPolicy
@@ -48,6 +49,8 @@ class SchedulerState:
         kv.use_reuse_eviction(config.prefix_eviction == "reuse")
         # Agent identity and histories retained across tool gaps (thrashing avoidance); None: off.
         self.agents = AgentTracker(kv, self.cost) if config.agent_retention else None
+        # New agents' first turns in arrival order, for the newcomer bound (sched/newcomers.py).
+        self.first_turns = FirstTurns()
 
     def free_finished(self, request: Request) -> None:
         """Free a finished request's KV, unless its agent's next turn keeps it (retained); under

@@ -80,6 +80,50 @@ def test_an_overdue_newcomer_goes_ahead_of_later_turns_sent_after_it(wait):
     assert is_overdue(sched.state, newcomer) == (wait is not None)
 
 
+def test_newcomers_first_reads_the_queue_only_as_far_as_admission_goes():
+    # Under overload thousands wait behind a later turn; a step that admits two must not read
+    # (nor sort) all of them to find the overdue newcomers.
+    sched = make_scheduler(64, 1.0)
+    a0 = turn("a0", list(range(22)), 0.0)
+    now = finish(sched, a0, 0.0)
+    sched.state.now = now
+    early = turn("early", list(range(300, 320)), now)                 # overdue by the time below
+    sched.add_request(early)
+    later = turn("a1", a0.all_token_ids + [60, 61], now + 5.0)        # A's next turn, sent after it
+    sched.add_request(later)
+    crowd = [turn(f"c{i}", [1000 + i, 2000 + i], now + 5.0 + i * 1e-3) for i in range(500)]
+    for req in crowd:
+        sched.add_request(req)
+    state = sched.state
+    state.now = now + 5.5
+    ordered = [later, *crowd, early]                                  # the later turn first, by its agent
+    pulled = 0
+
+    def counted():
+        nonlocal pulled
+        for req in ordered:
+            pulled += 1
+            yield req
+
+    got = newcomers_first(state, counted())
+    assert [next(got).request_id, next(got).request_id, next(got).request_id] == ["early", "a1", "c0"]
+    assert pulled <= 3, f"read {pulled} of {len(ordered)} queued requests for three"
+    # Read to the end, each request comes once.
+    assert sorted(r.request_id for r in newcomers_first(state, ordered)) == sorted(r.request_id for r in ordered)
+
+
+def test_the_index_of_first_turns_stays_within_twice_what_is_live():
+    sched = make_scheduler(64, 1.0)
+    for i in range(1000):
+        req = turn(f"r{i}", [i + 1, i + 2], float(i))
+        sched.add_request(req)
+        sched.abort_request(req.request_id)
+    live = turn("live", [5, 6], 1000.0)
+    sched.add_request(live)
+    assert len(sched.state.first_turns) <= 2 * 1 + 64
+    assert list(sched.state.first_turns.arrived_by(2000.0)) == [live]
+
+
 def _pressure(sched: Scheduler) -> tuple[float, list[Request]]:
     """Agents A and B finish a turn each (6 blocks retained apiece); a runner keeps the pool busy."""
     now = finish(sched, turn("a0", list(range(22)), 0.0), 0.0)
