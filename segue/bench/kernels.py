@@ -44,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
     fused = fused_table(model, plan.dtype, kv_dtype, kernels, remeasure=args.remeasure) if kernels else None
     print(f"CPU: {table.key['cpu']} (flags {table.key['flags']}), {table.key['threads']} threads, "
           f"torch {table.key['torch']}, kernels {table.key['kernels']}")
-    print(table.format() + ("\n(measured on a noisy machine: measured again at the next start)" if table.noisy else ""))
+    noisy = "\n(measured on a noisy machine: where a difference stayed within the noise the default runs; " \
+        "--remeasure measures again)"
+    print(table.format() + (noisy if table.noisy else ""))
     print(f"attention at {layout.num_heads} query / {layout.num_kv_heads} KV heads of {layout.head_dim}, "
           f"{str(layout.dtype).removeprefix('torch.')} (cache {str(kv_dtype).removeprefix('torch.')}):")
     print(attention.format())

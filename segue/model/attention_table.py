@@ -6,7 +6,8 @@ AVX512-BF16 EPYC the native tile wins. So at the first start with a model's head
 correct backend of each kind of attention (segue/model/attention_backends.py) is timed at a
 ladder of lengths, and the fastest runs per (kind, length range). Cached like the GEMM table
 (segue/model/kernel_table.py), under the CPU, thread count, torch, kernels' build and the head
-layout; a table timed while the machine was too noisy to decide is measured again once it is quiet.
+layout, and reused at every start until that key changes; a point where the backends' difference
+stayed within the noise of the timing runs the preferred backend (timing.py).
 """
 from __future__ import annotations
 
@@ -36,9 +37,14 @@ from segue.model.table_cache import MeasuredTable
 
 logger = logging.getLogger(__name__)
 
-TABLE_METHOD = "attention-v1"
+TABLE_METHOD = "attention-v2-mixed-decode"
 # Decode batches of this many sequences at each context length (agents decode a few at a time).
 DECODE_BATCH = 4
+# Their lengths, as fractions of the longest: a decode step's batch mixes lengths, and the SDPA
+# path pads every sequence to the longest (its mask hides the rest) where the native kernel reads
+# each sequence's own blocks. A batch of equal lengths hid that: SDPA's best case, and not the one
+# the executor looks the backend up by (its longest context).
+DECODE_MIX = (1.0, 0.75, 0.5, 0.25)
 DECODE_CONTEXTS = (256, 1024, 4096)
 PREFILL_TOKENS = (32, 256, 1024, 2048)
 # Extends: new tokens x cached tokens (a tool result or a turn appended to a held history).
@@ -103,7 +109,8 @@ class AttentionTable(MeasuredTable):
         for kind, by_backend in self.timings_ms.items():
             default = next(iter(by_backend))  # candidates() lists the preferred one first
             points = next(iter(by_backend.values()))
-            out[kind] = {p: timing.pick({b: ms[p] for b, ms in by_backend.items()}, default) for p in points}
+            out[kind] = {p: timing.pick({b: ms[p] for b, ms in by_backend.items()}, default, self.ratios_at(kind, p))
+                         for p in points}
         return out
 
     def format(self) -> str:
@@ -171,7 +178,7 @@ def measure(layout: HeadLayout, kernels: ModuleType | None, device: torch.device
             key: dict[str, str]) -> AttentionTable:
     """Time each kind's candidates on random Q/K/V of the model's head layout over a shuffled
     paged cache (block order matters to the native kernels' prefetching)."""
-    busy = timing.machine_busy()
+    busy: list[str | None] = [timing.machine_busy()]
     gen = torch.Generator().manual_seed(0)
     nh, kvh, hd, scale = layout.num_heads, layout.num_kv_heads, layout.head_dim, layout.head_dim ** -0.5
     longest = max(DECODE_BATCH * DECODE_CONTEXTS[-1], PREFILL_TOKENS[-1], EXTEND_TOKENS[-1] + EXTEND_CACHED[-1])
@@ -182,6 +189,18 @@ def measure(layout: HeadLayout, kernels: ModuleType | None, device: torch.device
 
     def table_of(tokens: int) -> torch.Tensor:
         return order[:-(-tokens // BLOCK)]
+
+    def decode_batch(longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded block tables [DECODE_BATCH * max_blocks] of a batch whose lengths mix as
+        DECODE_MIX does, each sequence on blocks of its own, and the lengths."""
+        lens = [max(1, int(longest * f)) for f in DECODE_MIX]
+        width = -(-longest // BLOCK)
+        tables, used = [], 0
+        for n in lens:
+            own = order[used:used + -(-n // BLOCK)].tolist()
+            used += len(own)
+            tables.append(own + [0] * (width - len(own)))  # the executor pads with block 0 too
+        return torch.tensor(tables).view(-1), torch.tensor(lens)
 
     def qkv(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = torch.randn(rows, nh, hd, generator=gen).to(layout.dtype)
@@ -198,14 +217,15 @@ def measure(layout: HeadLayout, kernels: ModuleType | None, device: torch.device
         q, k, v = qkv(DECODE_BATCH if kind is AttentionKind.DECODE else n)
         for b in candidates(kind, layout, kernels, device):
             if kind is AttentionKind.DECODE:
-                blocks = order[:DECODE_BATCH * -(-cached // BLOCK)]
-                lens = torch.full((DECODE_BATCH,), cached)
+                blocks, lens = decode_batch(cached)
                 if b is AttentionBackend.NATIVE:
                     assert kernels is not None
                     out[b.value] = functools.partial(kernels.paged_decode_attention, q, kc, vc,
                                                      blocks.view(DECODE_BATCH, -1), lens, scale)
                 else:
-                    mask = torch.ones(DECODE_BATCH, 1, 1, blocks.numel() // DECODE_BATCH * BLOCK, dtype=torch.bool)
+                    # As the executor builds it: padded to the longest, the padding masked off.
+                    key_pos = torch.arange(blocks.numel() // DECODE_BATCH * BLOCK)
+                    mask = (key_pos[None, :] < lens[:, None]).view(DECODE_BATCH, 1, 1, -1)
                     out[b.value] = functools.partial(sdpa_decode, q, kc, vc, blocks, mask, scale)
             elif b is AttentionBackend.NATIVE:
                 out[b.value] = native_prefill(q, cached, table_of(cached + n))
@@ -225,15 +245,22 @@ def measure(layout: HeadLayout, kernels: ModuleType | None, device: torch.device
     }
     t0 = time.perf_counter()
     timings: dict[str, dict[str, dict[str, float]]] = {}
+    ratios: dict[str, dict[str, timing.Ratios]] = {}
     unstable: list[str] = []
     for kind, ladder in ladders.items():
-        by_backend: dict[str, dict[str, float]] = {b.value: {} for b in candidates(kind, layout, kernels, device)}
+        names = [b.value for b in candidates(kind, layout, kernels, device)]
+        by_backend: dict[str, dict[str, float]] = {b: {} for b in names}
+        ratios[kind.value] = {}
         for name, n, cached in ladder:
-            result = timing.time_candidates({b: [call] for b, call in calls(kind, n, cached).items()})
+            # Each backend against the preferred one (listed first), the only comparison decided.
+            result = timing.time_candidates({b: [call] for b, call in calls(kind, n, cached).items()},
+                                            pairs=[(b, names[0]) for b in names[1:]])
             if not result.stable:
                 unstable.append(f"{kind.value} {name}")
+            busy.append(result.busy)
+            ratios[kind.value][name] = result.ratios
             for b, ms in result.ms.items():
                 by_backend[b][name] = ms
         timings[kind.value] = by_backend
-    noisy = timing.report("attention table", busy, unstable, time.perf_counter() - t0)
-    return AttentionTable(key, timings, noisy)
+    noisy = timing.report("attention table", timing.first(busy), unstable, time.perf_counter() - t0)
+    return AttentionTable(key, timings, noisy, ratios)

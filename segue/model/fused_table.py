@@ -1,8 +1,9 @@
 """The elementwise ops' forms (segue/model/fused_ops.py) chosen by measurement, per row count.
 
 Timed at the model's widths and dtype on the machine that runs them, cached beside the other
-kernel tables (segue/model/kernel_table.py) and re-measured when timed on a noisy machine, as the
-attention table is (segue/model/attention_table.py).
+kernel tables (segue/model/kernel_table.py) and reused until its key changes, as the attention
+table is (segue/model/attention_table.py): a form replaces the native one only where it was faster
+beyond the noise of the timing (timing.py).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from segue.model.table_cache import MeasuredTable
 
 logger = logging.getLogger(__name__)
 
-TABLE_METHOD = "fused-v1"
+TABLE_METHOD = "fused-v2-paired"
 ROWS = (1, 8, 64, 512, 2048)
 BLOCK = 16
 
@@ -32,7 +33,8 @@ class FusedTable(MeasuredTable):
 
     def chosen(self) -> dict[str, dict[int, str]]:
         """The form per op and timed row count; native on a tie (one call, no temporaries)."""
-        return {op: {int(r): timing.pick({f: ms[r] for f, ms in forms.items()}, "native") for r in forms["native"]}
+        return {op: {int(r): timing.pick({f: ms[r] for f, ms in forms.items()}, "native", self.ratios_at(op, r))
+                     for r in forms["native"]}
                 for op, forms in self.timings_ms.items()}
 
     def format(self) -> str:
@@ -55,8 +57,7 @@ def table_key(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, ke
 
 def fused_table(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, kernels: ModuleType,
                 remeasure: bool = False) -> FusedTable:
-    """This machine's table for the model's widths: this process's, else the cached one (unless
-    timed on a busy machine and this one is quiet now), else measured."""
+    """This machine's table for the model's widths: this process's, else the cached one, else measured."""
     key = table_key(config, dtype, kv_dtype, kernels)
     return table_cache.cached_table("fused", key, FusedTable,
                                     lambda stale: measure(config, dtype, kv_dtype, kernels, key), remeasure=remeasure)
@@ -64,7 +65,7 @@ def fused_table(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, 
 
 def measure(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, kernels: ModuleType,
             key: dict[str, str]) -> FusedTable:
-    busy = timing.machine_busy()
+    busy: list[str | None] = [timing.machine_busy()]
     gen = torch.Generator().manual_seed(0)
     h, inter, nh, kvh, hd = (config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
                              config.head_dim)
@@ -76,6 +77,7 @@ def measure(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, kern
     kc = torch.zeros(kvh, blocks, BLOCK, hd, dtype=kv_dtype)
     vc = torch.zeros_like(kc)
     timings: dict[str, dict[str, dict[str, float]]] = {op: {"native": {}, "torch": {}} for op in fused_ops.OPS}
+    ratios: dict[str, dict[str, timing.Ratios]] = {op: {} for op in fused_ops.OPS}
     unstable = []
     t0 = time.perf_counter()
     for rows in ROWS:
@@ -96,10 +98,13 @@ def measure(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, kern
                          "torch": functools.partial(fused_ops.silu_mul, gate_up)},
         }
         for op, forms in cases.items():
-            result = timing.time_candidates({f: [call] for f, call in forms.items()}, reps=5)
+            result = timing.time_candidates({f: [call] for f, call in forms.items()}, reps=5,
+                                            pairs=[("torch", "native")])
             if not result.stable:
                 unstable.append(f"{op} {rows}")
+            busy.append(result.busy)
+            ratios[op][str(rows)] = result.ratios
             for form, ms in result.ms.items():
                 timings[op][form][str(rows)] = ms
-    noisy = timing.report("elementwise-op table", busy, unstable, time.perf_counter() - t0)
-    return FusedTable(key, timings, noisy)
+    noisy = timing.report("elementwise-op table", timing.first(busy), unstable, time.perf_counter() - t0)
+    return FusedTable(key, timings, noisy, ratios)

@@ -8,11 +8,17 @@ every candidate is timed on the model's own shapes at a ladder of batch sizes, a
 is used per (op, row range). The table is cached (segue/model/table_cache.py) under a key of the
 CPU's model and what -march=native targets, the thread count, torch's version, the native
 kernels' build and the model's shapes: a table from another machine is never used.
+
+Every decision the plan takes from the table compares two candidates timed side by side in the
+same cycles (timing.py): a quantized kernel against a GEMM at the same rows, and a GEMM against
+itself padded to the next timed row count (timed as a candidate of its own at the smaller count,
+so padding is never judged by two row counts measured seconds apart under different load).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import logging
 import math
 import os
@@ -44,7 +50,7 @@ HEAD_ROWS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 QUANT_MAX_ROWS = 512
 DTYPES = ("float32", "bfloat16")
 # Changes whenever the way of measuring does: tables measured another way are measured again.
-TABLE_METHOD = "interleaved-streamed-median-2-rows-1-2-4-stable"
+TABLE_METHOD = "paired-ratio-interval-padded-v1"
 # Batches up to this many rows are timed over weight sets totalling at least STREAMED_BYTES (in
 # fp32), more than any CPU's last-level cache, as the model's layers are.
 STREAMED_MAX_ROWS = 128
@@ -112,14 +118,23 @@ class KernelTable(MeasuredTable):
     def padded_rows(self, op: str, dtype: str) -> dict[int, int]:
         """Every timed row count with the count its `dtype` GEMM should run at: a larger timed
         count where padding is faster by the margin, else itself. On a 2-core Xeon with AMX, bf16
-        took 0.73 ms a layer at 8 rows and 1.06 ms at 4 (its kernels tile rows in blocks)."""
+        took 0.73 ms a layer at 8 rows and 1.06 ms at 4 (its kernels tile rows in blocks). A
+        measured table pads a count to the next one only where the two, timed side by side, say
+        so with confidence, and follows that one's padding on (each step is faster)."""
         times = self.timings_ms[op][dtype]
         ladder = sorted(times)
-        out = {}
-        for i, rows in enumerate(ladder):
-            target = min(ladder[i:], key=lambda r: times[r])
-            out[rows] = target if times[target] < times[rows] * (1 - timing.MARGIN) else rows
-        return out
+        if not self.ratios.get(op):  # a table written by hand: its medians
+            out = {}
+            for i, rows in enumerate(ladder):
+                target = min(ladder[i:], key=lambda r: times[r])
+                out[rows] = target if times[target] < times[rows] * (1 - timing.MARGIN) else rows
+            return out
+        padded: dict[int, int] = {}
+        for rows, above in reversed(list(zip(ladder, ladder[1:] + [0], strict=True))):
+            ratios = self.ratios_at(op, rows)
+            faster = above and ratios is not None and timing.clearly_faster(ratios, padded_name(dtype, above), dtype)
+            padded[rows] = padded[above] if faster else rows
+        return dict(sorted(padded.items()))
 
     def dense_dtype(self) -> str:
         """The dtype whose GEMMs are fastest, each timed row count weighing alike (the sum of
@@ -133,8 +148,15 @@ class KernelTable(MeasuredTable):
         times = self.timings_ms[op]
         limit = 0
         for rows in sorted(times[dtype]):
+            if rows not in times.get(quant, {}):
+                break
             # Only a clear win: at a tie, which kernel runs would follow the noise of one table.
-            if rows not in times.get(quant, {}) or times[quant][rows] >= times[dtype][rows] * (1 - timing.MARGIN):
+            ratios = self.ratios_at(op, rows)
+            if ratios is not None:
+                wins = timing.clearly_faster(ratios, quant, dtype)
+            else:
+                wins = times[quant][rows] < times[dtype][rows] * (1 - timing.MARGIN)
+            if not wins:
                 break
             limit = rows
         return limit
@@ -154,6 +176,11 @@ class KernelTable(MeasuredTable):
                 cells = "".join(f"{cands[c][r]:11.3f}" if r in cands[c] else f"{'-':>11}" for c in cands)
                 lines.append(f"  {r:<8}" + cells + "   " + self.best(op, r, tuple(cands)))
         return "\n".join(lines)
+
+
+def padded_name(dtype: str, rows: int) -> str:
+    """The candidate that runs `dtype`'s GEMM at `rows` rows, timed beside a smaller count."""
+    return f"{dtype}@{rows}"
 
 
 def _leading_dtype(times: dict[str, dict[int, float]]) -> str:
@@ -190,7 +217,7 @@ def measure(config: ModelConfig, kernels: ModuleType | None, key: dict[str, str]
               if kernels is not None and all(group_supported(k) for _, k in shapes)]
 
     def layer_candidates(op_shapes: list[tuple[int, int]], ladder: tuple[int, ...],
-                         copies: int) -> dict[str, dict[int, float]]:
+                         copies: int) -> tuple[dict[str, dict[int, float]], dict[str, timing.Ratios]]:
         """ms per call of the ops in `op_shapes` at each row count. Small batches stream their
         weights from memory in the real model (every layer's are different), so they cycle
         through `copies` weight sets, as many as it takes to outgrow the CPU's caches: timing one
@@ -211,35 +238,54 @@ def measure(config: ModelConfig, kernels: ModuleType | None, key: dict[str, str]
             makers[quant.value] = functools.partial(quantized, quant=quant)
         built = {name: [make(ws) for ws in sets] for name, make in makers.items()}
         out: dict[str, dict[int, float]] = {name: {} for name in makers}
-        for rows in ladder:
+        ratios: dict[str, timing.Ratios] = {}
+
+        def activations(count: int) -> dict[str, list[torch.Tensor]]:
+            x32 = [torch.randn(count, k, generator=gen) for _, k in op_shapes]
+            # In the GEMM's dtype; the quantized kernels take fp32 (they widen any other).
+            return {name: [x.to(getattr(torch, name)) for x in x32] if name in DTYPES else x32 for name in built}
+
+        for rows, above in zip(ladder, ladder[1:] + (0,), strict=True):
             n = copies if rows <= STREAMED_MAX_ROWS else 1  # large batches are compute-bound
-            x32 = [torch.randn(rows, k, generator=gen) for _, k in op_shapes]
-            # Activations in the GEMM's dtype; the quantized kernels take fp32 (they widen any other).
-            xs = {name: [x.to(getattr(torch, name)) for x in x32] if name in DTYPES else x32 for name in built}
+            xs = activations(rows)
             # One call: a whole layer's projections (or the LM head), as the forward runs them.
             # Past the quantized kernels' range only the leading dtype is timed: the dtype is
             # decided by then, and a 2,048-row fp32 GEMM is a table's longest call.
-            timed = [d for d in DTYPES if rows <= QUANT_MAX_ROWS or d == _leading_dtype(out)] + \
-                ([q.value for q in quants] if rows <= QUANT_MAX_ROWS else [])
+            dense_names = [d for d in DTYPES if rows <= QUANT_MAX_ROWS or d == _leading_dtype(out)]
+            quant_names = [q.value for q in quants] if rows <= QUANT_MAX_ROWS else []
             calls: dict[str, list[Callable[[], object]]] = {
-                name: [functools.partial(_call_each, fs, xs[name]) for fs in built[name][:n]] for name in timed}
-            result = timing.time_candidates(calls, reps=3 if n > 1 else 5)
+                name: [functools.partial(_call_each, fs, xs[name]) for fs in built[name][:n]]
+                for name in dense_names + quant_names}
+            pairs = [(q, d) for q in quant_names for d in dense_names] + list(itertools.combinations(dense_names, 2))
+            if above and above <= STREAMED_MAX_ROWS:
+                # The GEMM padded to the next count, beside it: both dtypes at first, then the
+                # one leading so far (the other is rarely run, and unpadded is its safe default).
+                xs_above = activations(above)
+                for d in dense_names if not out[DTYPES[0]] else [_leading_dtype(out)]:
+                    calls[padded_name(d, above)] = [functools.partial(_call_each, fs, xs_above[d])
+                                                    for fs in built[d][:n]]
+                    pairs.append((padded_name(d, above), d))
+            result = timing.time_candidates(calls, reps=3 if n > 1 else 5, pairs=pairs)
             if not result.stable:
                 unstable.append(f"{rows} rows")
+            busy.append(result.busy)
+            ratios[str(rows)] = result.ratios
             for name, ms in result.ms.items():
-                out[name][rows] = ms
-        return out
+                if name in out:
+                    out[name][rows] = ms
+        return out, ratios
 
-    busy = timing.machine_busy()
+    busy: list[str | None] = [timing.machine_busy()]
     unstable: list[str] = []
     layer_bytes = 4 * sum(n * k for n, k in shapes)
     copies = max(1, min(config.num_layers, -(-STREAMED_BYTES // layer_bytes)))
     head_copies = max(1, min(4, -(-STREAMED_BYTES // (4 * config.vocab_size * h))))
     t0 = time.perf_counter()
-    timings = {"layers": layer_candidates(shapes, ROWS, copies),
-               "lm_head": layer_candidates([(config.vocab_size, h)], HEAD_ROWS, head_copies)}
-    noisy = timing.report("kernel table", busy, unstable, time.perf_counter() - t0)
-    return KernelTable(key, timings, noisy)
+    layers, layer_ratios = layer_candidates(shapes, ROWS, copies)
+    head, head_ratios = layer_candidates([(config.vocab_size, h)], HEAD_ROWS, head_copies)
+    noisy = timing.report("kernel table", timing.first(busy), unstable, time.perf_counter() - t0)
+    return KernelTable(key, {"layers": layers, "lm_head": head}, noisy,
+                       {"layers": layer_ratios, "lm_head": head_ratios})
 
 
 def table_key(config: ModelConfig, kernels: ModuleType | None) -> dict[str, str]:
@@ -260,13 +306,13 @@ def _has(table: KernelTable, quants: tuple[str, ...], kernels: ModuleType | None
 def kernel_table(config: ModelConfig, kernels: ModuleType | None, remeasure: bool = False,
                  quants: tuple[str, ...] = ALL_QUANTS) -> KernelTable:
     """This machine's table for the model's shapes, with the quantized formats in `quants` among
-    its candidates: from the cache when its key matches exactly, it was measured on a quiet
-    machine and it has those formats, else measured now (seconds) and saved."""
+    its candidates: from the cache when its key matches exactly and it has those formats (however
+    noisy the machine was when it was timed), else measured now (seconds) and saved."""
     key = table_key(config, kernels)
 
     def measure_now(stale: KernelTable | None) -> KernelTable:
         wanted = quants
-        if stale is not None and not stale.noisy:  # another run's formats: time those too, not instead
+        if stale is not None:  # another run's formats: time those too, not instead
             wanted = tuple(sorted(set(quants) | {q for q in ALL_QUANTS if q in stale.timings_ms["layers"]}))
         return measure(config, kernels, key, wanted)
 

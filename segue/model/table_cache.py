@@ -4,22 +4,28 @@ Three tables are measured on the machine that runs them (GEMMs: kernel_table.py;
 attention_table.py; elementwise ops: fused_table.py). Each is cached on disk under a key of
 everything its timings depend on, and kept for the process once measured or loaded, noisy ones
 included, so an engine started again in the same process (a benchmark's configurations, tests)
-does not measure again. A table timed on a busy machine is reused only while the machine stays
-busy (timing.reuse_cached).
+does not measure again. A table is reused at every later start until its key changes, noisy ones
+included: each of its decisions was taken only where the difference stood outside the noise
+(timing.py), so measuring again on the same machine would not make them safer, only make every
+start wait and let the plan follow the noise of the day. Processes on one machine (`--engines N`
+replicas, a server beside `segue bench`) measure a key once: the first takes a file lock and
+measures, the others wait for it and load what it saved.
 """
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
-
-from segue.model import timing
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +35,15 @@ class MeasuredTable:
     key: dict[str, str]
     # What was timed -> candidate -> ladder point -> ms per call
     timings_ms: dict[str, Any]
-    # Timed while the machine was busy or its rounds never agreed: measured again once it is quiet.
+    # Timed while the process waited for its CPUs, or with pairs left undecided (informational:
+    # the decisions already keep the default where the noise hid the difference).
     noisy: bool = False
+    # What was timed -> ladder point -> "a/b" -> (median, lo, hi) of the paired time ratio
+    # (timing.Ratios). Empty in a table written by hand: its decisions then read the medians.
+    ratios: dict[str, dict[str, dict[str, tuple[float, float, float]]]] = field(default_factory=dict)
+
+    def ratios_at(self, what: str, point: object) -> dict[str, tuple[float, float, float]] | None:
+        return self.ratios.get(what, {}).get(str(point)) or None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -38,7 +51,9 @@ class MeasuredTable:
     @classmethod
     def from_json(cls: type[T], text: str) -> T:
         raw = json.loads(text)
-        return cls(raw["key"], cls.timings_from_json(raw["timings_ms"]), bool(raw.get("noisy", False)))
+        ratios = {what: {point: {pair: (r[0], r[1], r[2]) for pair, r in pairs.items()}
+                         for point, pairs in points.items()} for what, points in raw.get("ratios", {}).items()}
+        return cls(raw["key"], cls.timings_from_json(raw["timings_ms"]), bool(raw.get("noisy", False)), ratios)
 
     @staticmethod
     def timings_from_json(timings: Any) -> Any:
@@ -71,25 +86,46 @@ def save(kind: str, table: MeasuredTable) -> None:
 
 
 def _load(kind: str, key: dict[str, str], table_type: type[T]) -> T | None:
-    """The cached table of `key`, or None: none yet, unreadable, another key's, or timed on a busy
-    machine while this one is quiet."""
+    """The cached table of `key`, or None: none yet, unreadable or another key's."""
     path = cached_path(kind, key)
     try:
         table = table_type.from_json(path.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
         logger.warning("ignoring an unreadable kernel table %s (%s)", path, e)
         return None
-    if table.key != key:
-        return None
-    if not timing.reuse_cached(table.noisy):
-        logger.info("the cached %s table was measured on a noisy machine: measuring again", kind)
-        return None
-    return table
+    return table if table.key == key else None
+
+
+@contextmanager
+def _measuring(kind: str, key: dict[str, str]) -> Iterator[None]:
+    """Held while one process measures and saves `key`'s table: another process (a replica)
+    waits here instead of timing beside it, which would disturb both measurements."""
+    path = cached_path(kind, key).with_suffix(".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # a read-only cache: measure unlocked, as nothing can be shared anyway
+        logger.warning("could not lock %s (%s): measuring without it", path, e)
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            t0 = time.perf_counter()
+            logger.info("another process is measuring the %s table: waiting for it", kind)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            logger.info("waited %.1f s for the %s table", time.perf_counter() - t0, kind)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 _memo: dict[tuple[str, str], MeasuredTable] = {}
+# Engines built on threads of one process measure a key once too.
+_process_lock = threading.RLock()
 
 
 def clear_memo() -> None:
@@ -100,16 +136,22 @@ def cached_table(kind: str, key: dict[str, str], table_type: type[T], measure: C
                  usable: Callable[[T], bool] = lambda table: True, remeasure: bool = False) -> T:
     """This process's table of `key`, else the cached one, else `measure(stale)` (saved): `stale`
     is a cached table of this key that was not `usable` (one that lacks candidates asked for now),
-    or None."""
+    or None. `remeasure`: measure now whatever is cached."""
     memo_key = (kind, json.dumps(key, sort_keys=True))
-    held = _memo.get(memo_key)
-    if not remeasure and isinstance(held, table_type) and usable(held):
-        return held
-    loaded = None if remeasure else _load(kind, key, table_type)
-    if loaded is not None and usable(loaded):
-        table = loaded
-    else:
-        table = measure(loaded)
-        save(kind, table)
-    _memo[memo_key] = table
-    return table
+    with _process_lock:
+        held = _memo.get(memo_key)
+        if not remeasure and isinstance(held, table_type) and usable(held):
+            return held
+        loaded = None if remeasure else _load(kind, key, table_type)
+        if loaded is None or not usable(loaded):
+            with _measuring(kind, key):
+                # Another process may have saved it while this one waited for the lock.
+                again = None if remeasure else _load(kind, key, table_type)
+                stale = again if again is not None else loaded
+                if again is not None and usable(again):
+                    loaded = again
+                else:
+                    loaded = measure(stale)
+                    save(kind, loaded)
+        _memo[memo_key] = loaded
+        return loaded
