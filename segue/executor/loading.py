@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from segue.config import EngineConfig
 from segue.executor.base import Executor
 from segue.sched.cost_model import CostModel
+
+logger = logging.getLogger(__name__)
 
 
 class LoadedModel(NamedTuple):
@@ -39,7 +43,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
     # Loaded in full precision unless both choices are fixed: quantized weights are made from
     # full-precision ones, not from a bf16-rounded copy, and "auto" is decided after loading.
     fixed = config.model.dtype != "auto" and config.model.quantization == "none"
+    t0 = time.perf_counter()
     ckpt = load_checkpoint(config.model.model, dtype=DTYPES[config.model.dtype] if fixed else torch.float32)
+    # Where a start's own work ends and planning begins: measured tables, when not cached, come next.
+    logger.info("weights loaded: %s in %.1f s", ckpt.name, time.perf_counter() - t0)
     plan = plan_kernels(config.model, ckpt.config, device, kernels, ckpt.weights)
     executor = ModelExecutor(ckpt, config.cache, device, plan, kernels, config.model.attention_backend)
     return LoadedModel(executor, ckpt.tokenizer, ckpt.config, ckpt.name, ckpt.chat_template)
@@ -48,8 +55,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
 def profile_key(config: EngineConfig, executor: Executor) -> dict[str, str]:
     """What a `segue profile`'s step times depend on, keyed as the kernel table is: the CPU (its
     model and flags; it also drives a GPU), the device, the checkpoint and its shapes, the dtype
-    and quantization the plan chose, the threads and torch. Loaded under another of these, a
-    profile charges steps this engine does not run, and the scheduler plans by them."""
+    and quantization the plan chose, the KV cache's dtype and block size (decode attention reads
+    every cached row, in blocks), batch invariance (it runs other kernels at every size), the
+    attention backend asked for, the threads and torch. Loaded under another of these, a profile
+    charges steps this engine does not run, and the scheduler plans by them."""
     import torch
 
     from segue.model import kernel_table
@@ -63,6 +72,9 @@ def profile_key(config: EngineConfig, executor: Executor) -> dict[str, str]:
             "checkpoint": str(Path(name).resolve()) if name and Path(name).exists() else name or "default",
             "shapes": shapes, "dtype": str(getattr(executor, "dtype", "")),
             "quantization": str(getattr(getattr(executor, "quantization", ""), "value", "")),
+            "kv_dtype": str(getattr(executor, "kv_dtype", config.cache.kv_cache_dtype)),
+            "block_size": str(getattr(executor, "block_size", config.cache.block_size)),
+            "batch_invariant": str(config.model.batch_invariant), "attention": config.model.attention_backend,
             "threads": str(torch.get_num_threads()), "torch": torch.__version__}
 
 

@@ -64,6 +64,30 @@ def test_the_path_is_keyed_by_cpu_model_dtype_and_threads_under_the_cache_dir(ca
     assert len({path, *others}) == len(others) + 1
 
 
+def test_the_key_names_kv_dtype_block_size_batch_invariance_and_attention_backend(cache: Path) -> None:
+    """Each changes what a step costs (decode attention reads every cached row; batch-invariant
+    runs other kernels; a forced backend replaces the measured one): none may load another's."""
+    from segue.config import CacheConfig
+    from segue.executor.loading import profile_key, profile_path
+
+    def path(cache_config: CacheConfig | None = None, kv_dtype: torch.dtype = torch.float32, block_size: int = 16,
+             **model: object) -> Path:
+        config = EngineConfig(model=ModelLoadConfig(model="m", **model), cache=cache_config or CacheConfig())
+        ex = executor()
+        ex.kv_dtype, ex.block_size = kv_dtype, block_size
+        return profile_path(profile_key(config, ex))
+
+    base = path()
+    variants = [path(kv_dtype=torch.bfloat16), path(block_size=32), path(batch_invariant=True),
+                path(attention_backend="sdpa")]
+    assert len({base, *variants}) == len(variants) + 1
+    # Without an executor's own values, the configured ones stand in.
+    plain = EngineConfig(model=ModelLoadConfig(model="m"))
+    assert profile_key(plain, executor())["block_size"] == "16"
+    assert profile_key(EngineConfig(model=ModelLoadConfig(model="m"), cache=CacheConfig(block_size=32)),
+                       executor())["block_size"] == "32"
+
+
 def test_an_engine_loads_only_a_profile_of_its_own_key(cache: Path, threads) -> None:
     from segue.executor.loading import engine_cost_model, profile_key, profile_path
 
