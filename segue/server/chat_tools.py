@@ -46,7 +46,7 @@ class ToolSetup:
     # The grammar the output follows (tool_choice auto / required / named); None: unconstrained.
     constraint: StructuredSpec | None = None
     # What a text answer must match (response_format, guided_*), checked once it is finished
-    # (structured_formats.check_answer), and the request field it came from.
+    # (structured_formats.schema_violation), and the request field it came from.
     answer: StructuredSpec | None = None
     answer_param: str = "response_format"
 

@@ -43,7 +43,22 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class _WithSchemaViolation(BaseModel):
+    # Segue extension, per choice: where and why a best-effort structured answer (a schema without
+    # `strict`) breaks its schema (server/structured_formats.py); omitted when it matches. On the
+    # final chunk of a streamed choice, beside its finish_reason.
+    schema_violation: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_violation(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        violation = data.pop("schema_violation", None)
+        if violation is not None:
+            data["schema_violation"] = violation  # after the choice's own fields
+        return data
+
+
+class CompletionChoice(_WithSchemaViolation):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -116,7 +131,7 @@ class _WithSession(BaseModel):
         return data
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_WithSchemaViolation):
     index: int = 0
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
@@ -143,7 +158,7 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_WithSchemaViolation):
     index: int = 0
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None

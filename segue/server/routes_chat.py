@@ -195,7 +195,8 @@ async def _complete(ctx: ServingContext, request: Request, body: ChatCompletionR
         message = r.ChatResponseMessage(content=content if content or not end.tool_calls else None,
                                         tool_calls=_tool_calls_out(end.tool_calls) or None)
         lps = r.chat_logprobs(c.logprobs) if body.logprobs else None
-        out.append(r.ChatChoice(index=i, message=message, finish_reason=end.finish_reason, logprobs=lps))
+        out.append(r.ChatChoice(index=i, message=message, finish_reason=end.finish_reason, logprobs=lps,
+                                schema_violation=end.schema_violation))
     resp = r.ChatCompletionResponse(id=rid, created=created, model=ctx.model_name, choices=out,
                                     usage=_usage(book, choices), session_id=session_id)
     headers = {SESSION_HEADER: session_id} if session_id else None
@@ -207,10 +208,10 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, book: TurnBo
     session_id = body.session_id
 
     def chunk(index: int, delta: r.DeltaMessage, finish: str | None = None, lps: list | None = None,
-              usage: r.Usage | None = None) -> r.ChatCompletionChunk:
+              usage: r.Usage | None = None, violation: str | None = None) -> r.ChatCompletionChunk:
         logprobs = r.chat_logprobs(lps) if lps else None
         choices = [] if usage is not None else [r.ChatChunkChoice(index=index, delta=delta, finish_reason=finish,
-                                                                  logprobs=logprobs)]
+                                                                  logprobs=logprobs, schema_violation=violation)]
         return r.ChatCompletionChunk(id=rid, created=created, model=ctx.model_name, choices=choices, usage=usage,
                                      session_id=session_id)
 
@@ -231,7 +232,7 @@ async def _stream(ctx: ServingContext, body: ChatCompletionRequest, book: TurnBo
                 calls = _tool_calls_out(ev.tool_calls)
                 deltas = [r.ToolCallDelta(index=k, **c.model_dump()) for k, c in enumerate(calls)]
                 yield sse(chunk(i, r.DeltaMessage(tool_calls=deltas)))
-            yield sse(chunk(i, r.DeltaMessage(), finish=ev.finish_reason))
+            yield sse(chunk(i, r.DeltaMessage(), finish=ev.finish_reason, violation=ev.schema_violation))
         if body.include_usage:
             yield sse(chunk(0, r.DeltaMessage(), usage=_usage(book, choices)))
     except Exception as e:  # the status line is sent already: report in-band, as OpenAI does

@@ -30,7 +30,7 @@ from segue.server.streaming import (
     sse,
     unless_disconnected,
 )
-from segue.server.structured_formats import check_answer
+from segue.server.structured_formats import report_violation, schema_violation
 from segue.structured import StructuredSpec
 
 router = APIRouter()
@@ -43,11 +43,19 @@ def _usage(outs: list[RequestOutput]) -> r.Usage:
 
 
 def _chunk(ctx: ServingContext, rid: str, created: int, index: int, out: RequestOutput, delta: str,
-           lps: list | None) -> r.CompletionChoice:
+           lps: list | None, violation: str | None = None) -> r.CompletionChoice:
     offset = len(out.outputs[0].text) - len(delta)
     return r.CompletionChoice(index=index, text=delta,
                               finish_reason=out.outputs[0].finish_reason if out.finished else None,
-                              logprobs=r.completion_logprobs(lps, offset) if lps is not None else None)
+                              logprobs=r.completion_logprobs(lps, offset) if lps is not None else None,
+                              schema_violation=violation)
+
+
+def _violation(spec: StructuredSpec | None, out: RequestOutput, body: CompletionRequest) -> str | None:
+    """A finished choice's schema_violation (structured_formats.py), logged."""
+    c = out.outputs[0]
+    return report_violation(schema_violation(spec, c.text, c.finish_reason, c.stop_reason), out.request_id,
+                            body.output_param)
 
 
 class _Timing:
@@ -127,8 +135,7 @@ async def completions(request: Request) -> Response:
     choices = []
     for i, final in enumerate(finals):
         c = checked(final)
-        check_answer(spec, c.text, c.finish_reason, body.output_param)
-        choices.append(_chunk(ctx, rid, created, i, final, c.text, c.logprobs))
+        choices.append(_chunk(ctx, rid, created, i, final, c.text, c.logprobs, _violation(spec, final, body)))
     response = r.CompletionResponse(id=rid, created=created, model=ctx.model_name, choices=choices,
                                     usage=_usage(finals))
     return JSONResponse(response.model_dump(mode="json"))
@@ -160,8 +167,7 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, spec: Structured
                   created: int) -> AsyncIterator[str]:
     """SSE chunks built from text and logprob deltas of the cumulative outputs (logprobs wait for the
     chunk that carries their text), each tagged with its choice's index, then usage, [DONE]. A
-    choice whose finished answer breaks its schema gets no final chunk: an error event ends the
-    stream instead."""
+    choice whose finished answer breaks its schema says so on its final chunk (schema_violation)."""
     sent_text, sent_lps = [0] * len(outputs), [0] * len(outputs)
     finals: dict[int, RequestOutput] = {}
     merged = merge_streams([_deadlined(o, deadline) for o in outputs])
@@ -169,13 +175,12 @@ async def _stream(ctx: ServingContext, body: CompletionRequest, spec: Structured
         async for i, out in merged:
             timing.saw(out, i)
             c = checked(out)
-            if out.finished:
-                check_answer(spec, c.text, c.finish_reason, body.output_param)
             delta = c.text[sent_text[i]:]
             if delta or out.finished:
                 lps = c.logprobs[sent_lps[i]:] if c.logprobs is not None else None
                 sent_text[i], sent_lps[i] = len(c.text), len(c.logprobs or [])
-                choice = _chunk(ctx, rid, created, i, out, delta, lps)
+                violation = _violation(spec, out, body) if out.finished else None
+                choice = _chunk(ctx, rid, created, i, out, delta, lps, violation)
                 yield sse(r.CompletionResponse(id=rid, created=created, model=ctx.model_name, choices=[choice]))
             if out.finished:
                 finals[i] = out

@@ -1,4 +1,5 @@
-"""Request fields that constrain the output, translated to a StructuredSpec.
+"""Request fields that constrain the output, translated to a StructuredSpec, and what is said
+about an answer that breaks its schema.
 
 - `response_format` (OpenAI): {"type": "text"}, {"type": "json_object"}, or
   {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}. OpenAI
@@ -7,32 +8,42 @@
   JSON text), `guided_regex`, `guided_choice` (a list of strings).
 
 The output is constrained whether or not `strict` is set (a non-strict schema is still the best
-description of what the client wants). A schema that is not valid JSON Schema is a 400; keywords
-that are valid but that the grammar library does not enforce (uniqueItems, not, if/then, ...) are
-left out of the grammar (segue/structured/tool_grammar.py, lenient), as OpenAI and vLLM accept them
-too. So a finished JSON answer is validated against the full schema (check_answer), and one that
-breaks it is an error, never a plain success: the client asked for that schema and would otherwise
-parse an answer its own validation rejects. An error rather than a hidden resample: a streamed
-answer has already been sent, a greedy or seeded request would write the same answer again, and
-the client's retry policy (the openai SDK retries a 500) decides whether another try is worth it.
+description of what the client wants). A schema that is not valid JSON Schema is a 400. OpenAI's
+contract decides the rest:
+- `strict: true` promises an answer that matches the schema, so a keyword the grammar cannot
+  enforce (`not`, `if`/`then`, `uniqueItems`, ...; structured/enforceable.py asks llguidance) is a
+  400 at request time naming it, before anything is generated.
+- Without `strict` (and for `guided_json`) such keywords are left out of the grammar (lenient, as
+  OpenAI and vLLM accept them) and the answer is best effort: a finished answer is validated
+  against the full schema (`schema_violation`), and one that breaks it is returned as generated,
+  its choice marked with a `schema_violation` field saying where and why, and logged. Never a
+  5xx: the request was the client's own and nothing failed on the server; a 500 would also make
+  the OpenAI SDK send it twice more, and a greedy request would write the same answer each time,
+  one bad choice would fail all `n`, and a stream has sent the answer already.
+- An answer the client's own `stop` (a string or a token id) or `max_tokens` cut short is not
+  checked: its finish reason says why it is unfinished.
 """
 from __future__ import annotations
 
 import functools
 import json
+import logging
 from typing import Any
 
 import jsonschema
 
 from segue.server.errors import APIError
 from segue.structured import StructuredKind, StructuredSpec
+from segue.structured.enforceable import unenforced_keywords
+
+logger = logging.getLogger(__name__)
 
 
 def _bad(message: str, param: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_response_format")
 
 
-def _checked_schema(schema: Any, param: str) -> StructuredSpec:
+def _checked_schema(schema: Any, param: str, strict: bool = False) -> StructuredSpec:
     if not isinstance(schema, (dict, bool)):
         raise _bad(f"{param} must be a JSON schema object", param)
     if isinstance(schema, dict):
@@ -42,6 +53,14 @@ def _checked_schema(schema: Any, param: str) -> StructuredSpec:
         except jsonschema.exceptions.SchemaError as e:
             where = "/".join(str(p) for p in e.absolute_path) or "(root)"
             raise _bad(f"{param} is not a valid JSON schema at {where}: {e.message}", param) from None
+    if strict:
+        unenforced = unenforced_keywords(schema)
+        if unenforced:
+            names = ", ".join(repr(k) for k in unenforced)
+            raise APIError(400, f"{param} uses {names}, which strict structured output cannot enforce: "
+                                "remove it, or leave out \"strict\" for a best-effort answer that is "
+                                "validated afterwards (marked with schema_violation when it breaks the schema)",
+                           param=param, code="unsupported_schema_keyword")
     return StructuredSpec.json_schema(schema)
 
 
@@ -57,7 +76,10 @@ def response_format_spec(fmt: dict[str, Any] | None) -> StructuredSpec | None:
         body = fmt.get("json_schema")
         if not isinstance(body, dict):
             raise _bad('response_format of type "json_schema" needs a "json_schema" object', "response_format")
-        return _checked_schema(body.get("schema", {}), "response_format.json_schema.schema")
+        strict = body.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise _bad("response_format.json_schema.strict must be a boolean", "response_format.json_schema.strict")
+        return _checked_schema(body.get("schema", {}), "response_format.json_schema.schema", strict is True)
     raise _bad(f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}',
                "response_format.type")
 
@@ -124,13 +146,20 @@ def answer_problem(spec: StructuredSpec | None, text: str) -> str | None:
     return f"at {where}: {message}"
 
 
-def check_answer(spec: StructuredSpec | None, text: str, finish_reason: str | None, param: str) -> None:
-    """Raise when a finished answer breaks its schema (`param`: the request field that gave it). An
-    answer cut off by max_tokens is left alone: finish_reason "length" already says it is unfinished."""
-    if finish_reason != "stop":
-        return
-    problem = answer_problem(spec, text)
+def schema_violation(spec: StructuredSpec | None, text: str, finish_reason: str | None,
+                     stop_reason: str | int | None) -> str | None:
+    """Where and why a finished answer breaks its schema, for the choice's `schema_violation`;
+    None when it matches, has no JSON schema, or did not end on its own: cut by max_tokens
+    (finish_reason "length") or by the client's own stop string or token (`stop_reason` set)."""
+    if finish_reason != "stop" or stop_reason is not None:
+        return None
+    return answer_problem(spec, text)
+
+
+def report_violation(problem: str | None, request_id: str, param: str) -> str | None:
+    """Log an answer returned despite breaking its schema (the operator's view of how often the
+    grammar's leniency shows); returns `problem` for the choice's field."""
     if problem is not None:
-        raise APIError(500, f"the generated answer does not match the {param} schema {problem}. The grammar "
-                            "does not enforce every keyword (not, if/then/else, uniqueItems, ...): they are "
-                            "checked after generation", param=param, code="structured_output_invalid")
+        logger.warning("%s: returned an answer that breaks its %s schema %s (marked schema_violation)",
+                       request_id, param, problem)
+    return problem

@@ -28,7 +28,7 @@ from segue.server.limits import Deadline
 from segue.server.responses import Usage
 from segue.server.sessions import HeldRequest
 from segue.server.streaming import Prepended, checked
-from segue.server.structured_formats import check_answer
+from segue.server.structured_formats import report_violation, schema_violation
 from segue.tools.parser import ToolCallParser
 from segue.tools.spec import ToolCall
 
@@ -50,6 +50,8 @@ class TurnEnd:
     tool_calls: list[ToolCall] = field(default_factory=list)
     # The paused request, for the session: on "tool_calls", and on "stop" or "length" in a session.
     held: HeldRequest | None = None
+    # Where and why a best-effort structured answer breaks its schema (structured_formats.py).
+    schema_violation: str | None = None
 
 
 class ChatTurn:
@@ -103,19 +105,17 @@ class ChatTurn:
                 if delta.content or delta.logprobs:
                     yield delta
                 if out.finished or _ended_turn(out):
-                    # Before the end is reported or held: an answer that breaks its schema ends
-                    # the turn in an error, and the request is aborted rather than kept.
-                    check_answer(self.setup.answer, self._segment(c), c.finish_reason, self.setup.answer_param)
-                if out.finished:
-                    yield self._end(out, c.finish_reason or "stop")
-                    return
-                if _ended_turn(out):
-                    yield await self._hold_turn_end(out, c)
+                    end = (self._end(out, c.finish_reason or "stop") if out.finished
+                           else await self._hold_turn_end(out, c))
+                    # Best effort: an answer that breaks its schema is returned, marked (never a 5xx).
+                    problem = schema_violation(self.setup.answer, self._segment(c), c.finish_reason, c.stop_reason)
+                    end.schema_violation = report_violation(problem, self.request_id, self.setup.answer_param)
+                    yield end
                     return
                 if out.paused:
-                    end = await self._on_pause(out, c)
-                    if end is not None:
-                        yield end
+                    paused_end = await self._on_pause(out, c)
+                    if paused_end is not None:
+                        yield paused_end
                         return
         finally:
             # Aborts the engine request unless it was detached into a session.
