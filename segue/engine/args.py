@@ -42,8 +42,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights and activations dtype (auto: the kernel plan's choice for the device)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
-                   help="weight-only quantization of the linear layers (auto: on CPU, int8 for the batch "
-                        "sizes where this machine's kernel table measured it faster; none on CUDA)")
+                   help="weight-only quantization of the linear layers (auto: on CPU, a format that holds "
+                        "the checkpoint exactly, e.g. a GGUF Q4_1 / Q8_0 file's, for the batch sizes where "
+                        "this machine's kernel table measured it faster; never a lossy re-quantization of "
+                        "float weights; none on CUDA)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="the same kernels at every batch size, so a request's output does not depend on "
                         "the load (CPU, native kernels; int8 unless --quantization int4; slower prefill)")
