@@ -12,6 +12,10 @@ import torch
 import transformers
 
 from segue.model.config import ModelConfig
+from segue.model.gguf_blocks import GGMLBlocks
+
+# A checkpoint's tensors: dense, or a GGUF file's quantized matrices as their blocks.
+Weight = torch.Tensor | GGMLBlocks
 
 # Chat templates close a turn with one of these; when the template emits one, generation must stop on it
 # even if the checkpoint's declared EOS is a different token (e.g. <|endoftext|> vs <|im_end|>).
@@ -25,7 +29,7 @@ class CheckpointError(ValueError):
 @dataclasses.dataclass
 class LoadedCheckpoint:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, Weight]
     tokenizer: transformers.PreTrainedTokenizerBase
     chat_template: str | None
     name: str
@@ -62,8 +66,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def finalize_weights(
-    config: ModelConfig, raw: dict[str, torch.Tensor], dtype: torch.dtype, source: pathlib.Path
-) -> dict[str, torch.Tensor]:
+    config: ModelConfig, raw: dict[str, Weight], dtype: torch.dtype, source: pathlib.Path
+) -> dict[str, Weight]:
     """Check names and shapes against the config and cast, so a bad file fails here, not mid-forward."""
     shapes = expected_shapes(config)
     missing = [name for name in shapes if name not in raw]
@@ -78,14 +82,15 @@ def finalize_weights(
     ]
     if extra:
         raise CheckpointError(f"{source}: unsupported model variant, unexpected tensors such as {extra[:3]}")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Weight] = {}
     for name, shape in shapes.items():
         tensor = raw[name]
         if tuple(tensor.shape) != shape:
             raise CheckpointError(
                 f"{source}: tensor {name} has shape {tuple(tensor.shape)}, but the config implies {shape}"
             )
-        weights[name] = tensor.to(device="cpu", dtype=dtype).contiguous()
+        # Blocks stay as the file stores them: the native kernels read them (gguf_blocks.py).
+        weights[name] = tensor if isinstance(tensor, GGMLBlocks) else tensor.to(device="cpu", dtype=dtype).contiguous()
     return weights
 
 

@@ -25,6 +25,8 @@ _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp", "quant_ops.cpp")]
 # Headers the sources include: part of the module's hash, not compiled on their own.
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("avx2_common.h", "prefill_bf16.h")]
+_GGUF_SOURCES = [Path(__file__).parent / "csrc" / "gguf_ops.cpp"]
+_GGUF_HEADERS = [Path(__file__).parent / "csrc" / "gguf_bf16.h"]
 
 
 # torch's builder waits for ever on a lock file that a killed build left behind; a real build of
@@ -35,17 +37,18 @@ _STALE_LOCK_S = 20 * 60
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 
-def _module_name() -> str:
+def _module_name(prefix: str = "segue_cpu_kernels", sources: list[Path] = _SOURCES,
+                 headers: list[Path] = _HEADERS) -> str:
     """Named by a hash of the sources, the compiler flags and the CPU's identity: two checkouts
     with different kernels (or an upgrade) do not rebuild over each other's cache entry, and a
     module built with -march=native for one CPU is never loaded on another (where it could die
     of SIGILL), e.g. from a home directory shared between machines."""
     digest = hashlib.sha256()
-    for path in _SOURCES + _HEADERS:
+    for path in sources + headers:
         digest.update(path.read_bytes())
     digest.update(" ".join(_CFLAGS).encode())
     digest.update(json.dumps(cpu_identity(), sort_keys=True).encode())
-    return f"segue_cpu_kernels_{digest.hexdigest()[:12]}"
+    return f"{prefix}_{digest.hexdigest()[:12]}"
 
 
 def _clear_stale_lock(name: str) -> None:
@@ -64,19 +67,36 @@ def _clear_stale_lock(name: str) -> None:
         lock.unlink(missing_ok=True)
 
 
+def _build(prefix: str, sources: list[Path], headers: list[Path]) -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    name = _module_name(prefix, sources, headers)
+    _clear_stale_lock(name)
+    return load(name=name, sources=[str(p) for p in sources], extra_cflags=_CFLAGS,
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
 @lru_cache(maxsize=1)
 def load_cpu_kernels() -> ModuleType | None:
     """The compiled module, or None when disabled (SEGUE_DISABLE_CPU_KERNELS=1) or unbuildable."""
     if os.environ.get("SEGUE_DISABLE_CPU_KERNELS") == "1":
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        name = _module_name()
-        _clear_stale_lock(name)
-        return load(name=name, sources=[str(p) for p in _SOURCES],
-                    extra_cflags=_CFLAGS,
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        return _build("segue_cpu_kernels", _SOURCES, _HEADERS)
     except Exception as e:  # the torch path is correct, only slower
         logger.warning("CPU paged-attention kernel unavailable (%s); using the torch path", e)
+        return None
+
+
+@lru_cache(maxsize=1)
+def load_gguf_kernels() -> ModuleType | None:
+    """The matmuls over GGUF block formats (csrc/gguf_ops.cpp), a module of their own so that
+    checkpoints without GGUF blocks never wait for their build; None when disabled or
+    unbuildable (the weights are then dequantized once at load time)."""
+    if os.environ.get("SEGUE_DISABLE_CPU_KERNELS") == "1":
+        return None
+    try:
+        return _build("segue_gguf_kernels", _GGUF_SOURCES, _GGUF_HEADERS)
+    except Exception as e:  # dequantized weights are correct, only larger and slower
+        logger.warning("GGUF block kernels unavailable (%s); K-quant weights are dequantized at load", e)
         return None

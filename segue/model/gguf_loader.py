@@ -1,7 +1,8 @@
-"""GGUF (llama.cpp) checkpoints: metadata -> ModelConfig, tensors -> dequantized HF-named weights.
+"""GGUF (llama.cpp) checkpoints: metadata -> ModelConfig, tensors -> HF-named weights.
 
-Quantized tensors are dequantized once at load time; the engine computes in `dtype` and never sees the
-GGUF block formats. The tokenizer and chat template come from the file's own metadata via transformers'
+With `keep_blocks`, matrices in a block format the native kernels read (segue/model/gguf_blocks.py)
+stay as the file's blocks; every other tensor (and every tensor without `keep_blocks`) is dequantized
+once at load time to `dtype`. The tokenizer and chat template come from the file's own metadata via transformers'
 GGUF tokenizer converter, so a lone .gguf file is a complete checkpoint.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import transformers
 
 from segue.model.checkpoint import CheckpointError, LoadedCheckpoint, finalize_weights, resolve_eos_ids
 from segue.model.config import ModelConfig
+from segue.model.gguf_blocks import NATIVE_TYPES, GGMLBlocks
 
 # general.architecture -> ModelConfig.architecture. llama.cpp also stores Mistral models as "llama".
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
@@ -42,7 +44,7 @@ _DIGIT_SPLIT_PRE_TYPES = {"smollm", "starcoder"}
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
 
-def load_gguf(path: pathlib.Path, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
+def load_gguf(path: pathlib.Path, dtype: torch.dtype = torch.float32, keep_blocks: bool = False) -> LoadedCheckpoint:
     reader = _open_reader(path)
     meta = _Metadata(reader, path)
     gguf_arch = meta.get("general.architecture")
@@ -61,7 +63,8 @@ def load_gguf(path: pathlib.Path, dtype: torch.dtype = torch.float32) -> LoadedC
         raise CheckpointError(f"{path}: no token_embd.weight tensor")
 
     config = _model_config(meta, gguf_arch, family, tensor_names, vocab_size=int(embed.shape[1]))
-    raw = _read_tensors(reader, config, permute_qk=gguf_arch in _PERMUTED_QK_ARCHITECTURES, path=path)
+    raw = _read_tensors(reader, config, permute_qk=gguf_arch in _PERMUTED_QK_ARCHITECTURES, path=path,
+                        keep_blocks=keep_blocks)
     weights = finalize_weights(config, raw, dtype, path)
 
     tokenizer = load_gguf_tokenizer(path, pre_type=meta.get("tokenizer.ggml.pre"))
@@ -230,11 +233,11 @@ def _model_config(
 
 
 def _read_tensors(
-    reader: Any, config: ModelConfig, permute_qk: bool, path: pathlib.Path
-) -> dict[str, torch.Tensor]:
+    reader: Any, config: ModelConfig, permute_qk: bool, path: pathlib.Path, keep_blocks: bool = False
+) -> dict[str, torch.Tensor | GGMLBlocks]:
     from gguf.quants import dequantize
 
-    raw: dict[str, torch.Tensor] = {}
+    raw: dict[str, torch.Tensor | GGMLBlocks] = {}
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:
@@ -242,6 +245,9 @@ def _read_tensors(
         # GGUF lists dims fastest-varying first (ne0 = row length), the reverse of torch/numpy order;
         # the reader already exposes data in numpy order, and dequantize keeps the row structure.
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if keep_blocks and int(t.tensor_type) in NATIVE_TYPES and len(shape) == 2:
+            raw[name] = _blocks(t, shape, name, config, permute_qk, path)
+            continue
         try:
             arr = dequantize(t.data, t.tensor_type)
             arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
@@ -258,4 +264,19 @@ def _read_tensors(
             tensor = unpermute_rotary_rows(tensor, config.num_kv_heads)
         raw[name] = tensor
     return raw
+
+
+def _blocks(t: Any, shape: tuple[int, ...], name: str, config: ModelConfig, permute_qk: bool,
+            path: pathlib.Path) -> GGMLBlocks:
+    rows, k = int(shape[0]), int(shape[1])
+    data = np.asarray(t.data)
+    if data.dtype != np.uint8 or data.size % rows:
+        raise CheckpointError(f"{path}: tensor {t.name} is truncated or corrupt ({data.size} bytes for {rows} rows)")
+    # A copy: the reader's arrays view a read-only memory map of the file.
+    weight = GGMLBlocks(torch.from_numpy(data.reshape(rows, -1).copy()), int(t.tensor_type), (rows, k))
+    heads = config.num_heads if ".self_attn.q_proj." in name else \
+        config.num_kv_heads if ".self_attn.k_proj." in name else 0
+    if permute_qk and heads:
+        weight = weight.rows(unpermute_rotary_rows(torch.arange(rows), heads))
+    return weight
 

@@ -46,8 +46,10 @@ def default_model_path() -> pathlib.Path:
     raise CheckpointError(f"package {DEFAULT_MODEL_PACKAGE!r} holds no .gguf file; {hint}")
 
 
-def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
-    """Load a .gguf file, a directory with one .gguf, or a HF directory (config.json + safetensors)."""
+def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype = torch.float32,
+                    keep_blocks: bool = False) -> LoadedCheckpoint:
+    """Load a .gguf file, a directory with one .gguf, or a HF directory (config.json + safetensors).
+    `keep_blocks`: a GGUF file's quantized matrices stay in their block formats (gguf_blocks.py)."""
     root = default_model_path() if path is None else pathlib.Path(path).expanduser()
     if not root.exists():
         raise CheckpointError(f"checkpoint path {root} does not exist")
@@ -56,12 +58,12 @@ def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype = torch.f
             raise CheckpointError(
                 f"{root} is a file but not a .gguf; for safetensors pass the directory holding config.json"
             )
-        return gguf_loader.load_gguf(root, dtype)
+        return gguf_loader.load_gguf(root, dtype, keep_blocks)
     if (root / "config.json").is_file():
         return load_hf_directory(root, dtype)
     ggufs = sorted(root.glob("*.gguf"))
     if len(ggufs) == 1:
-        return gguf_loader.load_gguf(ggufs[0], dtype)
+        return gguf_loader.load_gguf(ggufs[0], dtype, keep_blocks)
     if len(ggufs) > 1:
         names = ", ".join(p.name for p in ggufs)
         raise CheckpointError(f"{root} holds several .gguf files ({names}); pass the one to load")

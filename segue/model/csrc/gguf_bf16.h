@@ -1,0 +1,203 @@
+// The GGUF block matmul for bf16 activations on CPUs with AVX512-BF16 (included by gguf_ops.cpp).
+//
+// Every format's integers q are exact in bf16, and a bf16 activation times a bf16 integer is exact
+// in fp32, so vdpbf16ps (32 multiply-adds an instruction, twice an fp32 FMA's) sums the same
+// products the fp32 path does: x . w = sum_chunks s * dot(x, q) + m * sum(x). Each 32-weight chunk's
+// q go from nibbles (or 5-, 6-, 8-bit codes) to bf16 words with a byte unpack and one table lookup
+// (vpermw), in registers; the weights are decoded once for all of a call's rows (at most MB).
+#pragma once
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SEGUE_GGUF_BF16 1
+#include <immintrin.h>
+
+namespace gguf_bf16 {
+
+// bf16 bit patterns of (i - offset) for i in [0, 64): the lookup table of one format's codes.
+struct Table {
+  __m512i lo, hi;
+  explicit Table(int offset) {
+    alignas(64) uint16_t t[64];
+    for (int i = 0; i < 64; ++i) {
+      const float v = static_cast<float>(i - offset);
+      uint32_t bits;
+      std::memcpy(&bits, &v, 4);
+      t[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers have no low mantissa bits
+    }
+    lo = _mm512_load_si512(t);
+    hi = _mm512_load_si512(t + 32);
+  }
+  // 32 codes in [0, 64) (one per byte) -> 32 bf16 values.
+  inline __m512i operator()(__m256i codes) const {
+    return _mm512_permutex2var_epi16(lo, _mm512_cvtepu8_epi16(codes), hi);
+  }
+};
+
+inline __m256i nib_lo(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline __m256i nib_hi(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// The 8 six-bit scales and 8 mins of a Q4_K / Q5_K super-block, unpacked four at a time in 32-bit
+// words (ggml's get_scale_min_k4 for all j at once): bytes 0-7 scales, 8-15 mins.
+inline void scales_k4(const uint8_t* packed, uint8_t out[16]) {
+  uint32_t u[4];
+  std::memcpy(u, packed, 12);
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  const uint32_t mins_lo = u[1] & k1;
+  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  u[2] = mins_lo;
+  u[0] &= k1;
+  std::memcpy(out, u, 16);
+}
+
+// R rows of bf16 activations and their accumulators for one output channel; R is a template
+// parameter so the accumulators stay in registers.
+template <int R>
+struct Rows {
+  const uint16_t* x;    // [R, K] bf16
+  const float* xsum;    // [R, K / 16] sums of x over 16-wide runs
+  int64_t K;
+  __m512 acc[R];
+  __m256 macc[R];
+  float smacc[R];
+
+  // Chunk of 32 weights at column k: acc += s * dot(x[k:k+32], w).
+  inline void chunk(int64_t k, __m512i w, __m512 s) {
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_loadu_si512(x + r * K + k);
+      const __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), reinterpret_cast<__m512bh>(xv),
+                                        reinterpret_cast<__m512bh>(w));
+      acc[r] = _mm512_fmadd_ps(d, s, acc[r]);
+    }
+  }
+  // Min terms of eight 32-weight sub-blocks from column k: macc += m . sums of x over each.
+  inline void mins8(int64_t k, __m256 m) {
+    for (int r = 0; r < R; ++r) {
+      const float* xs = xsum + r * (K / 16) + k / 16;  // 16 sums: pairs make the 8 sub-blocks' sums
+      const __m512 v = _mm512_loadu_ps(xs);
+      const __m512 pair = _mm512_add_ps(v, _mm512_permutexvar_ps(
+          _mm512_setr_epi32(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14), v));
+      const __m256 sums = _mm512_castps512_ps256(_mm512_permutexvar_ps(
+          _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0), pair));
+      macc[r] = _mm256_fmadd_ps(m, sums, macc[r]);
+    }
+  }
+  inline void min1(int64_t k, float m) {
+    for (int r = 0; r < R; ++r) {
+      smacc[r] += m * (xsum[r * (K / 16) + k / 16] + xsum[r * (K / 16) + k / 16 + 1]);
+    }
+  }
+};
+
+// One block of type t at column k0 into the rows' accumulators.
+template <int R>
+inline void block(int64_t t, const uint8_t* b, int64_t k0, Rows<R>& rows) {
+  static const Table unsigned_codes(0), q4_0(8), q5_0(16), q6_k(32);
+  switch (t) {
+    case Q4_K: case Q5_K: {
+      const bool five = t == Q5_K;
+      alignas(32) uint8_t sm[16];
+      scales_k4(b + 4, sm);
+      alignas(32) float sc[8];
+      _mm256_store_ps(sc, _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm))))));
+      const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8)))));
+      rows.mins8(k0, mins);
+      const uint8_t* qs = b + (five ? 48 : 16);
+      const __m256i qh = five ? load32(b + 16) : _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        __m256i v = load32(qs + 32 * c), lo = nib_lo(v), hi = nib_hi(v);
+        if (five) {
+          const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * c)));
+          const __m256i b1 = _mm256_set1_epi8(static_cast<char>(2 << (2 * c)));
+          const __m256i sixteen = _mm256_set1_epi8(16);
+          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), sixteen));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), sixteen));
+        }
+        rows.chunk(k0 + 64 * c, unsigned_codes(lo), _mm512_set1_ps(sc[2 * c]));
+        rows.chunk(k0 + 64 * c + 32, unsigned_codes(hi), _mm512_set1_ps(sc[2 * c + 1]));
+      }
+      return;
+    }
+    case Q6_K: {
+      const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
+      const __m256i m30 = _mm256_set1_epi8(0x30);
+      for (int n = 0; n < 2; ++n) {
+        const __m256i ql0 = load32(b + 64 * n), ql1 = load32(b + 64 * n + 32), qh = load32(b + 128 + 32 * n);
+        const __m256i codes[4] = {
+            _mm256_or_si256(nib_lo(ql0), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+            _mm256_or_si256(nib_lo(ql1), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+            _mm256_or_si256(nib_hi(ql0), _mm256_and_si256(qh, m30)),
+            _mm256_or_si256(nib_hi(ql1), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+        for (int j = 0; j < 4; ++j) {
+          // Sub-blocks of 16: the chunk's first 8 lanes (pairs) take one scale, the last 8 the next.
+          const int s = 8 * n + 2 * j;
+          const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(s), _mm256_set1_epi32(s + 1), 1);
+          rows.chunk(k0 + 128 * n + 32 * j, q6_k(codes[j]), _mm512_permutexvar_ps(idx, sc));
+        }
+      }
+      return;
+    }
+    case Q4_0: case Q4_1: {
+      const bool with_min = t == Q4_1;
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (with_min ? 4 : 2)));
+      const __m128i m4 = _mm_set1_epi8(0x0F);
+      const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+      rows.chunk(k0, (with_min ? unsigned_codes : q4_0)(codes), _mm512_set1_ps(f16(b)));
+      if (with_min) rows.min1(k0, f16(b + 2));
+      return;
+    }
+    case Q5_0: case Q5_1: {
+      const bool with_min = t == Q5_1;
+      const uint8_t* hb = b + (with_min ? 4 : 2);
+      uint32_t qh;
+      std::memcpy(&qh, hb, 4);
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(hb + 4));
+      const __m128i m4 = _mm_set1_epi8(0x0F);
+      __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+      codes = _mm256_or_si256(codes, _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(16)));
+      rows.chunk(k0, (with_min ? unsigned_codes : q5_0)(codes), _mm512_set1_ps(f16(b)));
+      if (with_min) rows.min1(k0, f16(b + 2));
+      return;
+    }
+    case Q8_0: {
+      const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
+      const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+      const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+      rows.chunk(k0, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(c, a)), _mm512_set1_ps(f16(b)));
+      return;
+    }
+    default: TORCH_CHECK(false, "gguf kernels: unsupported ggml type ", t);
+  }
+}
+
+template <int R>
+inline void channel_r(int64_t t, const Format& f, const uint8_t* row, int64_t K, const uint16_t* x,
+                      const float* xsum, float* out, int64_t stride) {
+  Rows<R> rows{x, xsum, K, {}, {}, {}};
+  for (int r = 0; r < R; ++r) rows.acc[r] = _mm512_setzero_ps(), rows.macc[r] = _mm256_setzero_ps(), rows.smacc[r] = 0.f;
+  for (int64_t b = 0; b < K / f.block; ++b) block<R>(t, row + b * f.bytes, b * f.block, rows);
+  for (int r = 0; r < R; ++r)
+    out[r * stride] = _mm512_reduce_add_ps(rows.acc[r]) + _mm512_reduce_add_ps(_mm512_zextps256_ps512(rows.macc[r])) +
+                   rows.smacc[r];
+}
+
+// Rows [0, mb) of bf16 x (mb <= 8) against weight row `row`; writes out[r * stride].
+inline void channel(int64_t t, const Format& f, const uint8_t* row, int64_t K, const uint16_t* x, const float* xsum,
+                    int64_t mb, float* out, int64_t stride) {
+  switch (mb) {
+    case 1: return channel_r<1>(t, f, row, K, x, xsum, out, stride);
+    case 2: return channel_r<2>(t, f, row, K, x, xsum, out, stride);
+    case 3: return channel_r<3>(t, f, row, K, x, xsum, out, stride);
+    case 4: return channel_r<4>(t, f, row, K, x, xsum, out, stride);
+    case 5: return channel_r<5>(t, f, row, K, x, xsum, out, stride);
+    case 6: return channel_r<6>(t, f, row, K, x, xsum, out, stride);
+    case 7: return channel_r<7>(t, f, row, K, x, xsum, out, stride);
+    default: return channel_r<8>(t, f, row, K, x, xsum, out, stride);
+  }
+}
+
+}  // namespace gguf_bf16
+#endif

@@ -1,0 +1,134 @@
+"""GGUF weights kept in the file's own block formats, and the layers that compute on them.
+
+A K-quant file (Q4_K_M, Q5_K_M, Q6_K ...) is what people download to run a model on a CPU.
+Expanding it to bf16 at load time makes every decoded token read 3-4x the file's bytes, and decode
+is bound by those bytes. So the loader keeps each quantized matrix as its raw blocks
+(`GGMLBlocks`), and `BlockLinear` runs the native kernels of csrc/gguf_ops.cpp on them: the sums
+of the dequantized weights, without a dense copy. Batches too large for a kernel that streams the
+weights (prefill chunks) dequantize the layer to the compute dtype for that call and run the
+GEMM, or use a dense copy kept beside the blocks where the user allows the memory
+(`--weights-memory dense`); which batch sizes go where is measured (segue/model/gguf_table.py).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# ggml_type ids the native kernels read; any other quantized type is dequantized at load time.
+NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+
+
+class WeightsMemory(str, enum.Enum):
+    """What a GGUF file's quantized matrices cost in memory."""
+    PACKED = "packed"  # the file's blocks only: resident weights ~ the file's tensor bytes
+    DENSE = "dense"    # plus a dense copy in the compute dtype where the measured table says it pays
+
+
+@dataclass
+class GGMLBlocks:
+    """One quantized matrix as the file stores it: `blocks` [N, row_bytes] uint8, row n holding
+    the K weights of output channel n in ggml type `qtype`."""
+    blocks: torch.Tensor
+    qtype: int
+    shape: tuple[int, int]
+
+    @property
+    def type_name(self) -> str:
+        return NATIVE_TYPES[self.qtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def rows(self, index: torch.Tensor) -> GGMLBlocks:
+        """These rows, in this order (llama.cpp's Q/K row permutation is undone on blocks too)."""
+        return GGMLBlocks(self.blocks[index].contiguous(), self.qtype, (int(index.numel()), self.shape[1]))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, kernels: ModuleType | None = None,
+                   ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense matrix (or rows `ids` of it): the native kernel when built, else gguf's own
+        dequantize, which defines the numbers."""
+        if kernels is not None:
+            empty = torch.empty(0, dtype=torch.int64)
+            return kernels.gguf_dequantize(self.blocks, self.qtype, self.shape[1],
+                                           empty if ids is None else ids, dtype)
+        from gguf.quants import dequantize
+
+        raw = self.blocks if ids is None else self.blocks[ids]
+        dense = dequantize(raw.numpy(), self.qtype).reshape(raw.shape[0], self.shape[1])
+        return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)).to(dtype)
+
+
+def concat_rows(parts: list[GGMLBlocks]) -> list[GGMLBlocks]:
+    """Fused projections (q|k|v, gate|up) as row segments; neighbours of one type merge into one."""
+    out: list[GGMLBlocks] = []
+    for p in parts:
+        if out and out[-1].qtype == p.qtype:
+            last = out[-1]
+            out[-1] = GGMLBlocks(torch.cat([last.blocks, p.blocks]), p.qtype,
+                                 (last.shape[0] + p.shape[0], p.shape[1]))
+        else:
+            out.append(p)
+    return out
+
+
+class BlockLinear:
+    """A linear layer over GGUF blocks, called as `lin(x)` with x [M, K] in the compute dtype.
+
+    Batches of at most `block_rows` rows run the native block kernel; larger ones a GEMM over the
+    dense weight: the copy kept when `dense` is set, else dequantized for this call alone.
+    """
+
+    def __init__(self, segments: list[GGMLBlocks], bias: torch.Tensor | None, dtype: torch.dtype,
+                 kernels: ModuleType, block_rows: int, keep_dense: bool = False) -> None:
+        self.segments = segments
+        self.bias = bias
+        self.dtype = dtype
+        self._kernels = kernels
+        self.block_rows = block_rows
+        self._blocks = [s.blocks for s in segments]
+        self._types = [s.qtype for s in segments]
+        self.out_features = sum(s.shape[0] for s in segments)
+        self.in_features = segments[0].shape[1]
+        self.dense = self.dequantize() if keep_dense else None
+
+    @property
+    def nbytes(self) -> int:
+        tensors = self._blocks + [t for t in (self.dense, self.bias) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def dequantize(self) -> torch.Tensor:
+        parts = [s.dequantize(self.dtype, self._kernels) for s in self.segments]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.block_rows:
+            out = self._kernels.gguf_linear(x, self._blocks, self._types)
+            if out.dtype != x.dtype:
+                out = out.to(x.dtype)
+            return out if self.bias is None else out + self.bias
+        dense = self.dense if self.dense is not None else self.dequantize()
+        return F.linear(x, dense, self.bias)
+
+
+class BlockEmbedding:
+    """Token embeddings looked up from blocks: only the rows a step needs are dequantized."""
+
+    def __init__(self, weight: GGMLBlocks, dtype: torch.dtype, kernels: ModuleType | None) -> None:
+        self.weight = weight
+        self.dtype = dtype
+        self._kernels = kernels
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.dequantize(self.dtype, self._kernels, ids.reshape(-1)).reshape(*ids.shape, -1)
+
+    def numel(self) -> int:
+        return self.weight.nbytes
+
+    def element_size(self) -> int:
+        return 1
