@@ -58,16 +58,19 @@ class AgentRecord:
         return self.end - self.arrival - self.tool_s
 
 
-def turn_ttfts(records: list[AgentRecord]) -> tuple[list[float], list[float]]:
-    """Time to first token of the agents' first turns and of their later turns (turns whose
-    stream produced a token). The client knows which turn is an agent's first; the server may not."""
+def turn_ttfts(records: list[AgentRecord]) -> tuple[list[float], list[float], tuple[int, int]]:
+    """Time to first token of the agents' first turns and of their later turns, and how many of
+    each never got a token: those count with their wait until their stream ended (a lower bound),
+    so a starved turn raises the percentiles instead of dropping out of them. The client knows
+    which turn is an agent's first; the server may not."""
     first: list[float] = []
     later: list[float] = []
+    no_token = [0, 0]
     for rec in records:
         for i, t in enumerate(rec.turns):
-            if t.first_token is not None:
-                (later if i else first).append(t.first_token - t.start)
-    return first, later
+            (later if i else first).append((t.first_token if t.first_token is not None else t.end) - t.start)
+            no_token[min(i, 1)] += t.first_token is None
+    return first, later, (no_token[0], no_token[1])
 
 
 @dataclass

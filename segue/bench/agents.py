@@ -150,7 +150,7 @@ def run_config(args: argparse.Namespace, cfg: AgentRunConfig, runner: Any) -> di
         recs = res["records"]
         srv = res["server"]
         turns = [t for r in recs for t in r.turns]
-        first, later = turn_ttfts(recs)
+        first, later, no_token = turn_ttfts(recs)
         hit = srv.get("prefix_hit_tokens")
         query = srv.get("prefix_query_tokens")
         modelled = srv.get("modelled_step_seconds")
@@ -168,7 +168,7 @@ def run_config(args: argparse.Namespace, cfg: AgentRunConfig, runner: Any) -> di
                    turn_ttft_mean=_mean([t.first_token - t.start for t in turns if t.first_token is not None]),
                    # A newcomer's wait (its agent's first turn) apart from later turns': the trade
                    # that protecting running agents' histories makes.
-                   first_turn_ttft_s=first, later_turn_ttft_s=later, **ttft_fields(first, later),
+                   first_turn_ttft_s=first, later_turn_ttft_s=later, **ttft_fields(first, later, no_token),
                    turn_latency_mean=_mean([t.end - t.start for t in turns]),
                    turns=[[r.index, t.start - r.arrival, (t.first_token or t.end) - t.start, t.end - t.start,
                            t.prompt_tokens, t.cached_tokens, t.completion_tokens] for r in recs for t in r.turns],

@@ -47,9 +47,10 @@ class _AgentState:
     turn_starts: dict[int, float] = field(default_factory=dict)
     first_tokens: dict[int, float] = field(default_factory=dict)
 
-    def ttfts(self) -> dict[int, float]:
-        """Time to first token of each turn that produced one."""
-        return {t: f - self.turn_starts[t] for t, f in self.first_tokens.items() if t in self.turn_starts}
+    def ttfts(self, end: float) -> dict[int, tuple[float, bool]]:
+        """Each sent turn's time to first token, and whether it got one: a turn that never did
+        counts its wait until `end` (the run's end), a lower bound, rather than dropping out."""
+        return {t: (self.first_tokens.get(t, end) - s, t in self.first_tokens) for t, s in self.turn_starts.items()}
 
 
 @dataclass
@@ -67,14 +68,16 @@ class EngineAgentResult:
     # Prompt-side tokens the engine computed: every batched token but the decode feeds (each
     # turn's generated tokens but its last, which the next turn's prompt or append carries).
     computed_prompt_tokens: int = 0
-    # Time to first token of agents' first turns (a newcomer's wait) and of their later turns.
+    # Time to first token of agents' first turns (a newcomer's wait) and of their later turns;
+    # turns that never got one are in them at their wait until the run's end, and counted here.
     first_turn_ttft_s: list[float] = field(default_factory=list)
     later_turn_ttft_s: list[float] = field(default_factory=list)
+    ttft_no_token: tuple[int, int] = (0, 0)
 
     def to_dict(self) -> dict[str, Any]:
         return {"busy_s": self.busy_s, "num_agents": self.num_agents, "num_finished": len(self.busy_s),
                 "first_turn_ttft_s": self.first_turn_ttft_s, "later_turn_ttft_s": self.later_turn_ttft_s,
-                **ttft_fields(self.first_turn_ttft_s, self.later_turn_ttft_s),
+                **ttft_fields(self.first_turn_ttft_s, self.later_turn_ttft_s, self.ttft_no_token),
                 "duration_s": self.duration_s, "wall_s": self.wall_s, "preemptions": self.preemptions,
                 "prefix_hit_tokens": self.prefix_hit_tokens, "prefix_query_tokens": self.prefix_query_tokens,
                 "waste_gbs": self.waste, "steps": self.steps, "stalled": self.stalled,
@@ -185,7 +188,11 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
             break
         clock_wait(min(events))
     busy = [st.end - st.arrival - st.agent.total_tool_s for st in states.values() if st.end is not None]
-    ttfts = [st.ttfts() for st in states.values()]
+    ttfts = [sorted(st.ttfts(engine.clock()).items()) for st in states.values()]
+    first = [x for t in ttfts for turn, (x, _) in t if turn == 0]
+    later = [x for t in ttfts for turn, (x, _) in t if turn > 0]
+    no_token = (sum(not got for t in ttfts for turn, (_, got) in t if turn == 0),
+                sum(not got for t in ttfts for turn, (_, got) in t if turn > 0))
     waste1 = engine.waste.totals.as_dict()
     turns_done = sum(st.agent.num_turns if st.end is not None else st.turn for st in states.values())
     return EngineAgentResult(
@@ -194,7 +201,7 @@ def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clo
         sched.prefix_query_tokens - query0, {k: waste1[k] - waste0.get(k, 0.0) for k in waste1},
         engine.num_steps - steps0, stalled,
         sched.num_batched_tokens_total - batched0 - turns_done * (spec.output_tokens - 1),
-        [t[0] for t in ttfts if 0 in t], [x for t in ttfts for turn, x in sorted(t.items()) if turn > 0])
+        first, later, no_token)
 
 
 def _time_turn(states: dict[int, _AgentState], out: Any, mode: str, output_tokens: int, now: float) -> None:

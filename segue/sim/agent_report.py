@@ -2,7 +2,10 @@
 
 Beside agent time it reports the trade that protecting running agents makes: time to first token
 of agents' first turns (a newcomer waiting for memory) apart from their later turns (whose histories
-retention keeps), each as mean / p50 / p90."""
+retention keeps), each as mean / p50 / p90. A turn that never got a token (a newcomer starved until
+the run ended, or one whose stream ended without a token) counts with its wait until then: a lower
+bound on its TTFT, so a starved turn raises the p90 instead of vanishing from it; the table says
+how many such turns a cell counts."""
 from __future__ import annotations
 
 from typing import Any
@@ -21,20 +24,28 @@ def _f(v: Any, fmt: str) -> str:
     return "n/a" if v is None else fmt.format(v)
 
 
-def ttft_fields(first: list[float], later: list[float]) -> dict[str, float | None]:
-    """`{first,later}_ttft_{mean,p50,p90}_s` of first turns' and later turns' TTFTs (None: no turn)."""
+def ttft_fields(first: list[float], later: list[float],
+                no_token: tuple[int, int] = (0, 0)) -> dict[str, float | None]:
+    """`{first,later}_ttft_{mean,p50,p90}_s` of first turns' and later turns' TTFTs (None: no turn),
+    and `{first,later}_ttft_no_token`: how many of them are turns that never got a token, counted
+    at their wait until the run's end (`no_token`, included in the lists)."""
     fields: dict[str, float | None] = {}
-    for kind, xs in zip(TTFT_KINDS, (first, later), strict=True):
+    for kind, xs, n in zip(TTFT_KINDS, (first, later), no_token, strict=True):
         p = percentiles(xs, (50.0, 90.0)) if xs else {}
         fields[f"{kind}_ttft_mean_s"] = _mean(xs)
         fields[f"{kind}_ttft_p50_s"] = p.get("p50")
         fields[f"{kind}_ttft_p90_s"] = p.get("p90")
+        fields[f"{kind}_ttft_no_token"] = n
     return fields
 
 
 def _ttft_cell(r: dict[str, Any], kind: str) -> str:
     vals = [r.get(f"{kind}_ttft_{s}_s") for s in TTFT_STATS]
-    return "n/a" if all(v is None for v in vals) else " / ".join(_f(v, "{:.2f}") for v in vals)
+    if all(v is None for v in vals):
+        return "n/a"
+    cell = " / ".join(_f(v, "{:.2f}") for v in vals)
+    n = r.get(f"{kind}_ttft_no_token") or 0
+    return cell + (f" (≥; {n:.0f} without a token)" if n else "")
 
 
 def render(rows: list[dict[str, Any]], title: str) -> str:
@@ -51,6 +62,9 @@ def render(rows: list[dict[str, Any]], title: str) -> str:
                      f"{_f(r['preemptions'], '{:.0f}')} | {_f(r['recompute_gbs'], '{:.2f}')} | "
                      f"{_f(r['waste_total_gbs'], '{:.2f}')} | {_f(r['prefix_hit'], '{:.0%}')} | "
                      f"{_f(computed, '{:,}')}{ratio} |")
+    if any(r.get(f"{k}_ttft_no_token") for r in rows for k in TTFT_KINDS):
+        lines += ["", "≥: turns that never got a token count with their wait until the run's end (a lower "
+                  "bound on their TTFT), so a starved turn raises the percentiles instead of leaving them."]
     least = next((r["min_prompt_tokens"] for r in rows if r.get("min_prompt_tokens")), None)
     if least:
         lines += ["", f"Minimum computed prompt tokens (every token no earlier step computed, once): {least:,}."]
