@@ -123,7 +123,7 @@ class KernelTable(MeasuredTable):
         so with confidence, and follows that one's padding on (each step is faster)."""
         times = self.timings_ms[op][dtype]
         ladder = sorted(times)
-        if not self.ratios.get(op):  # a table written by hand: its medians
+        if op not in self.ratios:  # a table written by hand: its medians
             out = {}
             for i, rows in enumerate(ladder):
                 target = min(ladder[i:], key=lambda r: times[r])
@@ -139,8 +139,12 @@ class KernelTable(MeasuredTable):
     def dense_dtype(self) -> str:
         """The dtype whose GEMMs are fastest, each timed row count weighing alike (the sum of
         log time ratios to the fastest dtype there): one disturbed measurement cannot outvote
-        the rest, and tiny decode batches do not outweigh prefill chunks."""
-        return _leading_dtype(self.timings_ms["layers"])
+        the rest, and tiny decode batches do not outweigh prefill chunks. Counts timed while the
+        process waited for its CPUs count only when no other count was timed undisturbed."""
+        layers = self.timings_ms["layers"]
+        quiet = {r for r, pairs in self.ratios.get("layers", {}).items() if pairs}
+        kept = {d: {r: ms for r, ms in rows.items() if str(r) in quiet} for d, rows in layers.items()}
+        return _leading_dtype(kept if all(kept.get(d) for d in DTYPES) and _shared(kept) else layers)
 
     def quantized_up_to(self, op: str, quant: str, dtype: str) -> int:
         """The largest row count up to which the quantized kernel beats the `dtype` GEMM by the
@@ -183,9 +187,13 @@ def padded_name(dtype: str, rows: int) -> str:
     return f"{dtype}@{rows}"
 
 
+def _shared(times: dict[str, dict[int, float]]) -> set[int]:
+    return set.intersection(*(set(times[d]) for d in DTYPES))
+
+
 def _leading_dtype(times: dict[str, dict[int, float]]) -> str:
     """Over the row counts every dtype was timed at."""
-    shared = set.intersection(*(set(times[d]) for d in DTYPES))
+    shared = _shared(times)
 
     def cost(dtype: str) -> float:
         return sum(math.log(times[dtype][rows] / min(times[d][rows] for d in DTYPES)) for rows in shared)

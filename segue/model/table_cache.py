@@ -43,7 +43,11 @@ class MeasuredTable:
     ratios: dict[str, dict[str, dict[str, tuple[float, float, float]]]] = field(default_factory=dict)
 
     def ratios_at(self, what: str, point: object) -> dict[str, tuple[float, float, float]] | None:
-        return self.ratios.get(what, {}).get(str(point)) or None
+        """The paired intervals of one point: None in a table written by hand (decide by the
+        medians), empty where the timing was disturbed (decide nothing: the default)."""
+        if what not in self.ratios:
+            return None
+        return self.ratios[what].get(str(point), {})
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)

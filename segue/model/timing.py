@@ -15,7 +15,9 @@ starts. So:
   1 - MARGIN: a decision inside the noise keeps the default;
 - rounds repeat until every pair asked about is decided or its interval is narrow, up to a cap;
 - whether the process waited for its CPUs while timing is read from its own scheduling
-  statistics and its cgroup (contention.py), not from the host's load average, and recorded.
+  statistics and its cgroup (contention.py), not from the host's load average; a timing that
+  waited decides nothing (its points run the default), as contention skews the ratios
+  themselves: kernels that fork an OpenMP team suffer it more than those that do not.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ Ratios = dict[str, tuple[float, float, float]]
 class Timing:
     ms: dict[str, float]   # median ms of one call per candidate, over all rounds
     stable: bool           # every pair asked about was decided, or its interval is narrow
-    ratios: Ratios = field(default_factory=dict)
+    ratios: Ratios = field(default_factory=dict)   # empty when `busy`: decide nothing by them
     busy: str | None = None  # why the process did not have its CPUs while timing, if it did not
 
 
@@ -150,14 +152,22 @@ def time_candidates(candidates: Mapping[str, Sequence[Callable[[], object]]], re
     before = contention.Snapshot.now()
     ratios: Ratios = {}
     stable = False
+    busy = None
     for rounds in range(1, max_rounds + 1):
         _round(candidates, reps, times)
         if rounds >= min_rounds:
             ratios = _ratios(times, wanted)
             stable = all(_decided(r) for r in ratios.values())
-            if stable:
+            busy = contention.disturbed(before, contention.Snapshot.now(), torch.get_num_threads())
+            # More rounds cannot settle a timing the process spent waiting for its CPUs: under
+            # contention a kernel forking an OpenMP team waits for a descheduled worker at each
+            # region and one running on the caller alone does not (seen: a native elementwise op
+            # 100x slower, losing to torch's), so the ratios themselves are skewed, not noisy.
+            if stable or busy:
                 break
-    busy = contention.disturbed(before, contention.Snapshot.now(), torch.get_num_threads())
+    if busy:  # nothing to decide by: the table's point runs the default
+        logger.debug("timing disturbed (%s): no decision from it", busy)
+        ratios, stable = {}, False
     return Timing({name: _median_ms(ts) for name, ts in times.items()}, stable, ratios, busy)
 
 
@@ -168,9 +178,9 @@ def bucket(ladder: Sequence[int], value: int) -> int:
 
 def pick(ms: dict[str, float], default: str, ratios: Ratios | None = None) -> str:
     """`default` unless another candidate is faster by the margin: with `ratios` (the paired
-    intervals of a timing), only where the whole interval says so, the fastest such one; without
-    (a table written by hand), by the medians."""
-    if ratios:
+    intervals of a timing; empty where it was disturbed), only where the whole interval says so,
+    the fastest such one; with None (a table written by hand), by the medians."""
+    if ratios is not None:
         faster = [c for c in ms if c != default and clearly_faster(ratios, c, default)]
         return min(faster, key=lambda c: ms[c]) if faster else default
     best = min(ms, key=lambda c: ms[c])

@@ -39,6 +39,8 @@ class VirtualClock:
 def timed(monkeypatch: pytest.MonkeyPatch, seed: int, costs: dict[str, float], **kw) -> timing.Timing:
     clock = VirtualClock(seed)
     monkeypatch.setattr(timing.time, "perf_counter", clock.perf_counter)
+    # The virtual load is the only one: this machine's own (other tests) must not void the timing.
+    monkeypatch.setattr(contention, "disturbed", lambda before, after, threads: None)
     return timing.time_candidates({name: [clock.call(c)] for name, c in costs.items()}, **kw)
 
 
@@ -75,6 +77,19 @@ def test_a_clear_win_is_found_through_the_same_noise(monkeypatch):
         med, lo, hi = timing.ratio_of(t.ratios, "faster", "default")
         assert 0.6 < med < 0.8 and hi < 1 - timing.MARGIN
         assert timing.ratio_of(t.ratios, "default", "faster")[1] == pytest.approx(1 / hi)
+
+
+def test_a_timing_the_process_spent_waiting_for_its_cpus_decides_nothing(monkeypatch):
+    """Contention skews ratios rather than blurring them (a kernel that forks an OpenMP team
+    waits for a descheduled worker; one that runs on the caller does not), so a clear win timed
+    while waiting is not taken, and the rounds stop as soon as the wait is seen."""
+    rounds = []
+    clock = VirtualClock(0, burst=0.0)
+    monkeypatch.setattr(timing.time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(contention, "disturbed", lambda before, after, threads: rounds.append(1) or "waited 60%")
+    t = timing.time_candidates({"default": [clock.call(1e-3)], "faster": [clock.call(0.5e-3)]})
+    assert t.busy == "waited 60%" and t.ratios == {} and not t.stable and len(rounds) == 1
+    assert timing.pick(t.ms, "default", t.ratios) == "default"
 
 
 def test_only_the_pairs_asked_for_are_judged(monkeypatch):
