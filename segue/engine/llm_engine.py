@@ -192,8 +192,14 @@ class LLMEngine:
         try:
             sampled, step_s = self._execute(out)
         except Exception:
-            # A failing batch must not take the engine down: fail its requests, keep serving.
+            # A failing batch must not take the engine down: fail its requests, keep serving. The
+            # contexts its copies moved are cut back to what is known to be there (a paused
+            # request's swap-out may never have reached the host), to be computed again.
             logger.exception("executor failed; aborting the %d requests in this batch", len(out.seqs))
+            cut = self.scheduler.forget_failed_copies(out)
+            if cut:
+                logger.warning("the failed step's KV copies count as not made: %d contexts cut back "
+                               "to recompute (%s)", len(cut), ", ".join(cut[:8]))
             return [o for o in (self.abort_request(s.request.request_id) for s in out.seqs) if o]
         updates = self._update(out, sampled, step_s)
         return ended + self.output.process(updates, sampled, self.clock())

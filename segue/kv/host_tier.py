@@ -181,6 +181,18 @@ class HostTier:
             # host tier would drop its hottest blocks first.
             self.free(deferred, [self.pool.now] * len(deferred))
 
+    def lose_step(self) -> set[int]:
+        """The step's copies failed (its executor raised): nothing they wrote holds data. Its
+        write-backs are dropped unpublished (freed from the next step, as blocks this step let go
+        of are); returns the host blocks its swap-outs wrote, whose owners' contexts the caller
+        cuts back before them (their free() then unpublishes them too)."""
+        if self._backed_up:
+            lost = {b.block_id for b in self._backed_up}
+            self._pending = [p for p in self._pending if p[0].block_id not in lost]
+            self._deferred.extend(self._backed_up)
+            self._backed_up, self._backed_up_keys = [], []
+        return set(self._writing)
+
     def free(self, blocks: list[KVBlock], reuse_at: list[float] | None = None) -> None:
         """Drop one reference each (tail first, as BlockPool.free)."""
         if self._writing:

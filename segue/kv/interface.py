@@ -14,7 +14,7 @@ The verbs, by what they are for:
   expected reuse), release() (a paused context, kept findable), truncate(); pin and unpin an
   agent's history: retain() / release_retained();
 - move between the tiers: begin_step(), open_link(), open_write_backs(), swap_out(),
-  swap_in(), take_back_ups().
+  swap_in(), take_back_ups(); and when a step's copies failed, lose_step_copies().
 """
 from __future__ import annotations
 
@@ -172,3 +172,4 @@ class KVCache(Protocol):
     def swap_out(self, request: Request, max_blocks: int) -> Moved: ...
     def swap_in(self, request: Request, max_blocks: int) -> Moved: ...
     def take_back_ups(self) -> Copies: ...
+    def lose_step_copies(self, swap_in: Copies) -> dict[str, int]: ...

@@ -276,6 +276,27 @@ class KVCacheManager:
         """This step's write-back copies (device, host); the link budget ends with the step."""
         return self._host.take_back_ups()
 
+    def lose_step_copies(self, swap_in: Copies) -> dict[str, int]:
+        """The step's copies never landed (its executor failed): its write-backs are dropped, and
+        each request whose context they carried (host blocks its swap-outs wrote, device blocks
+        its swap-ins wrote, `swap_in`) maps to how many of its device blocks, from the head, still
+        hold good data. The caller cuts each one there (truncate); its tokens after are computed
+        again rather than read from blocks that hold whatever was there before."""
+        tier = self._host.tier
+        written = tier.lose_step() if tier is not None else set()
+        landed = {d for _, d in swap_in}
+        cut: dict[str, int] = {}
+        if written:
+            for rid, table in self._host.tables.items():
+                if any(b.block_id in written for b in table):
+                    cut[rid] = self._dev.num_blocks_of(rid)
+        if landed:
+            for rid, table in self._dev.tables.items():
+                first = next((i for i, b in enumerate(table) if b.block_id in landed), None)
+                if first is not None:
+                    cut[rid] = min(first, cut.get(rid, first))
+        return cut
+
     def check_invariants(self) -> None:
         refs = Counter(b.block_id for b in self._host.swapping_out)
         refs.update(b.block_id for b in self._retained.blocks())

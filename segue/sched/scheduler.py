@@ -13,6 +13,7 @@ from segue.kv.interface import KVCache
 from segue.request import Request, RequestStatus
 from segue.sched.admission import admit_waiting
 from segue.sched.cost_model import CostModel
+from segue.sched.failed_copies import forget_failed_copies
 from segue.sched.interception import InterceptionPolicy
 from segue.sched.newcomers import is_newcomer
 from segue.sched.output import ScheduledSeq, SchedulerOutput
@@ -77,6 +78,10 @@ class Scheduler:
         if self.state.paused.resume(request, tokens, now):
             self.state.waiting.append(request)
         self.state.policy.on_resumed(request, now)
+
+    def forget_failed_copies(self, out: SchedulerOutput) -> list[str]:
+        """The executor failed on `out`: its copies count as never made (sched/failed_copies.py)."""
+        return forget_failed_copies(self.state, out)
 
     def truncate_paused(self, request: Request, keep: int) -> None:
         """Cut a paused request's context after its first `keep` tokens (PausedRequests.truncate)."""
