@@ -10,6 +10,11 @@ included: each of its decisions was taken only where the difference stood outsid
 start wait and let the plan follow the noise of the day. Processes on one machine (`--engines N`
 replicas, a server beside `segue bench`) measure a key once: the first takes a file lock and
 measures, the others wait for it and load what it saved.
+
+A table with points that decided nothing (timed while the process waited for its CPUs) is checked
+again in the background of a server (`segue serve` turns it on; RECHECK_ENV): a thread at the
+lowest priority, after the start has answered, times it again and saves it for the next start when
+it decides more points. It never changes the plan of the running process.
 """
 from __future__ import annotations
 
@@ -127,6 +132,60 @@ def _measuring(kind: str, key: dict[str, str]) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+# Set (to anything but "0") to re-check noisy tables in the background; cli.py's serve sets it.
+RECHECK_ENV = "SEGUE_TABLE_RECHECK"
+# The first re-check waits this long after the table was loaded (a start's first answers come
+# first), each later one longer; a check whose timings the server's own work disturbed decides
+# nothing and is tried again.
+RECHECK_DELAY_S = 120.0
+RECHECK_ATTEMPTS = 3
+_rechecking: set[tuple[str, str]] = set()
+
+
+def decided_points(table: MeasuredTable) -> int:
+    """How many of the table's points hold intervals to decide by."""
+    return sum(1 for points in table.ratios.values() for pairs in points.values() if pairs)
+
+
+def disturbed_points(table: MeasuredTable) -> int:
+    """How many points decided nothing, timed while the process waited for its CPUs (a pair that
+    stayed within the margin on a quiet machine is a tie, and checking again would not settle it)."""
+    return sum(1 for points in table.ratios.values() for pairs in points.values() if not pairs)
+
+
+def _recheck(kind: str, key: dict[str, str], table_type: type[T], measure: Callable[[T | None], T],
+             held: T) -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # Linux: this thread alone
+    except (AttributeError, OSError) as e:
+        logger.info("the %s table's re-check runs at normal priority (%s)", kind, e)
+    for attempt in range(1, RECHECK_ATTEMPTS + 1):
+        time.sleep(RECHECK_DELAY_S * attempt)
+        with _measuring(kind, key):
+            current = _load(kind, key, table_type) or held
+            if not disturbed_points(current):   # another process settled it meanwhile
+                return
+            fresh = measure(current)
+            gained = decided_points(fresh) - decided_points(current)
+            if gained > 0:
+                save(kind, fresh)
+                logger.info("background re-check of the %s table decided %d more points: saved for the next start",
+                            kind, gained)
+            if not disturbed_points(fresh):
+                return
+    logger.info("background re-check of the %s table: still disturbed after %d tries", kind, RECHECK_ATTEMPTS)
+
+
+def _schedule_recheck(kind: str, key: dict[str, str], table_type: type[T], measure: Callable[[T | None], T],
+                      table: T) -> None:
+    memo_key = (kind, json.dumps(key, sort_keys=True))
+    if not disturbed_points(table) or os.environ.get(RECHECK_ENV, "0") == "0" or memo_key in _rechecking:
+        return
+    _rechecking.add(memo_key)
+    threading.Thread(target=_recheck, args=(kind, key, table_type, measure, table), name=f"segue-recheck-{kind}",
+                     daemon=True).start()
+
+
 _memo: dict[tuple[str, str], MeasuredTable] = {}
 # Engines built on threads of one process measure a key once too.
 _process_lock = threading.RLock()
@@ -158,4 +217,5 @@ def cached_table(kind: str, key: dict[str, str], table_type: type[T], measure: C
                     loaded = measure(stale)
                     save(kind, loaded)
         _memo[memo_key] = loaded
+        _schedule_recheck(kind, key, table_type, measure, loaded)
         return loaded

@@ -78,3 +78,38 @@ def test_a_noisy_table_is_reused_until_its_key_changes(tmp_path: Path, monkeypat
     table_cache.cached_table("test", {"k": "2"}, MeasuredTable, measure)   # another key: measured
     assert len(measured) == 2
     table_cache.clear_memo()
+
+
+def test_a_disturbed_table_is_checked_again_in_the_background_never_before_answering(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    """A server's table with points timed while its CPUs were taken is served at once; a thread
+    times it again later and saves it for the next start when it decides more points."""
+    monkeypatch.setenv("SEGUE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(table_cache.RECHECK_ENV, "1")
+    monkeypatch.setattr(table_cache, "RECHECK_DELAY_S", 0.05)
+    table_cache.clear_memo()
+    disturbed = MeasuredTable({"k": "v"}, {"op": {}}, noisy=True, ratios={"op": {"1": {}, "2": {"a/b": (1, 1, 1)}}})
+    settled = MeasuredTable({"k": "v"}, {"op": {}}, ratios={"op": {"1": {"a/b": (0.5, 0.4, 0.6)},
+                                                                    "2": {"a/b": (1, 1, 1)}}})
+    results = [disturbed, settled]
+    threads_seen: list[str] = []
+
+    def measure(stale: MeasuredTable | None) -> MeasuredTable:
+        threads_seen.append(threading.current_thread().name)
+        return results.pop(0)
+
+    first = table_cache.cached_table("test", {"k": "v"}, MeasuredTable, measure)
+    assert first is disturbed and threads_seen == [threading.current_thread().name]
+    deadline = time.time() + 30
+    while results and time.time() < deadline:
+        time.sleep(0.05)
+    assert threads_seen[1] == "segue-recheck-test"   # off the caller's thread
+    for _ in range(100):   # the save follows the measurement
+        table_cache.clear_memo()
+        again = table_cache.cached_table("test", {"k": "v"}, MeasuredTable, measure)
+        if again.ratios_at("op", 1):
+            break
+        time.sleep(0.05)
+    assert again.ratios_at("op", 1) == {"a/b": (0.5, 0.4, 0.6)} and table_cache.disturbed_points(again) == 0
+    table_cache.clear_memo()
+    table_cache._rechecking.clear()
