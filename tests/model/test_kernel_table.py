@@ -207,6 +207,21 @@ def test_one_disturbed_measurement_does_not_decide_the_dtype():
     assert noisy.dense_dtype() == "bfloat16"
 
 
+def test_the_dtype_follows_the_counts_timed_undisturbed():
+    """Counts timed while the process waited for its CPUs (no intervals) do not vote when others
+    were timed undisturbed; when none were, all of them do."""
+    t = table(int8={1: 1.0}, fp32={1: 0.5, 8: 0.6, 64: 9.0, 512: 90.0}, bf16={1: 5.0, 8: 6.0, 64: 3.0, 512: 30.0})
+    t.ratios = {"layers": {"1": {}, "8": {}, "64": {"bfloat16/float32": (0.33, 0.3, 0.36)},
+                           "512": {"bfloat16/float32": (0.33, 0.3, 0.36)}}}
+    assert t.dense_dtype() == "bfloat16"
+    t.ratios = {"layers": {"1": {}, "8": {}, "64": {}, "512": {}}}
+    assert t.dense_dtype() == _leading(t)
+
+
+def _leading(t: kt.KernelTable) -> str:
+    return kt._leading_dtype(t.timings_ms["layers"])
+
+
 def test_nothing_is_measured_when_the_configuration_decides_everything(monkeypatch):
     def refuse(config, kernels):
         raise AssertionError("no kernel table should be measured")
