@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from segue.model.host_writes import HostWrites
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -23,6 +25,8 @@ class KVCache:
         # padded decode attention reads unwritten slots under a mask, and 0 * NaN is NaN.
         self.host_k = torch.empty(host_shape, dtype=dtype, pin_memory=pin)
         self.host_v = torch.empty(host_shape, dtype=dtype, pin_memory=pin)
+        # CUDA swap-outs' staging buffers and their scatter into the host pool (model/host_writes.py).
+        self.host_writes = HostWrites(pin)
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -42,32 +46,43 @@ class KVCache:
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks: mapping is [(device_id, host_id)]. Done on return."""
-        self._start_swap_out(mapping).finish()
+        writes, event = self._start_swap_out(mapping)
+        if event is not None:
+            event.synchronize()
+        self.host_writes.scatter(writes)
+        self.host_writes.settle()
 
-    def _start_swap_out(self, mapping: list[tuple[int, int]]) -> _HostWrites:
-        """Start a swap-out on the current stream; the host blocks hold the data once the returned
-        writes are finished. On a CPU it is done here."""
+    def settle(self) -> None:
+        """Return once every swap-out started so far is in the host pool (CUDA: its scatter runs
+        off the engine thread; see model/host_writes.py). What reads the pool here settles first."""
+        self.host_writes.settle()
+
+    def _start_swap_out(self, mapping: list[tuple[int, int]]) -> tuple[list, torch.cuda.Event | None]:
+        """Start a swap-out on the current stream: the blocks land in the staging buffers once the
+        returned event (None: nothing pending) completes, then go into the host pool
+        (HostWrites.scatter). On a CPU it is done here."""
         if not mapping:
-            return _HostWrites()
+            return [], None
+        self.settle()
         if not self.k.is_cuda:
             _copy_blocks(self.host_k, self.k, mapping)
             _copy_blocks(self.host_v, self.v, mapping)
-            return _HostWrites()
+            return [], None
         src = torch.tensor([d for d, _ in mapping], device=self.k.device)
         dst = torch.tensor([h for _, h in mapping])
-        writes = _HostWrites()
-        for cache, host in ((self.k, self.host_k), (self.v, self.host_v)):
+        writes = []
+        for name, cache, host in (("k", self.k, self.host_k), ("v", self.v, self.host_v)):
             staged = cache.index_select(2, src)
             # A non-blocking copy to the host returns before the bytes land: a CPU read of its
             # result (the index_copy_ into the host pool) would take whatever was there before,
-            # and the swapped-out context would come back corrupted. The copy lands in pinned
-            # memory of its own, read only after the event below says it is complete.
-            landing = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            # and the swapped-out context would come back corrupted. The copy lands in a pinned
+            # staging buffer, read only after the event below says it is complete.
+            landing = self.host_writes.landing(name, staged.shape, staged.dtype)
             landing.copy_(staged, non_blocking=True)
-            writes.pending.append((host, dst, landing))
-        writes.event = torch.cuda.Event()
-        writes.event.record(torch.cuda.current_stream(self.k.device))
-        return writes
+            writes.append((host, dst, landing))
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.k.device))
+        return writes, event
 
     def back_up(self, mapping: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks now, before anything else in the step (write-back of
@@ -77,6 +92,7 @@ class KVCache:
         if not self.k.is_cuda:
             self.swap_out(mapping)
             return
+        self.settle()
         src = torch.tensor([d for d, _ in mapping], device=self.k.device)
         dst = torch.tensor([h for _, h in mapping])
         for cache, host in ((self.k, self.host_k), (self.v, self.host_v)):
@@ -86,6 +102,7 @@ class KVCache:
         """Copy host blocks back to device blocks: mapping is [(host_id, device_id)]."""
         if not mapping:
             return
+        self.settle()  # a block swapped out in an earlier step may still be on its way in
         if not self.k.is_cuda:
             _copy_blocks(self.k, self.host_k, mapping)
             _copy_blocks(self.v, self.host_v, mapping)
@@ -113,15 +130,16 @@ class KVCache:
             stream.wait_stream(torch.cuda.current_stream(self.k.device))
             with torch.cuda.stream(stream):
                 self.swap_in(swap_in)
-                # The host pool gets the swapped-out bytes at wait(), when they have landed: no
-                # swap-in reads those host blocks before a later step.
-                writes = self._start_swap_out(swap_out)
+                writes, _ = self._start_swap_out(swap_out)
                 event = torch.cuda.Event()
                 event.record(stream)
 
             def wait() -> None:
+                # The device blocks are read once this returns (the next step may reuse them);
+                # their bytes go into the host pool on HostWrites' thread, which any reader of
+                # the pool waits for (settle), not on the engine thread.
                 event.synchronize()
-                writes.finish()
+                self.host_writes.scatter(writes)
             return SwapHandle(wait)
         self.swap_in(swap_in)
         self.swap_out(swap_out)
@@ -148,24 +166,6 @@ def _copy_blocks(dst: torch.Tensor, src: torch.Tensor, mapping: list[tuple[int, 
     copies at 8 GB/s (BENCHMARKS.md), which is what a swap costs the step beside it on a CPU."""
     for s, d, n in block_runs(mapping):
         dst[:, :, d:d + n].copy_(src[:, :, s:s + n])
-
-
-class _HostWrites:
-    """A swap-out's device-to-host copies in flight: each lands in a pinned tensor, then goes into
-    its host pool once `event` (recorded after the copies) has completed."""
-
-    def __init__(self) -> None:
-        # (host pool, its block ids, the blocks as they land)
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.event: torch.cuda.Event | None = None
-
-    def finish(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
-        for host, dst, landed in self.pending:
-            host.index_copy_(2, dst, landed)
-        self.pending = []
-        self.event = None
 
 
 class SwapHandle:

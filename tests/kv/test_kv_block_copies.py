@@ -88,6 +88,7 @@ def test_cuda_swap_out_and_back_is_bitwise_exact(path: str) -> None:
         cache.swap_out(out_map)
     else:
         cache.start_swaps([], out_map).wait()
+        cache.settle()  # the scatter into the host pool runs off the engine thread (model/host_writes.py)
     assert torch.equal(cache.host_k[:, :, host_ids], want_k) and torch.equal(cache.host_v[:, :, host_ids], want_v)
     # The host copy is the only one left: back into the device blocks, bit for bit.
     cache.k.zero_()
@@ -95,3 +96,43 @@ def test_cuda_swap_out_and_back_is_bitwise_exact(path: str) -> None:
     cache.start_swaps([(h, d) for d, h in out_map], []).wait()
     torch.cuda.synchronize()
     assert torch.equal(cache.k[:, :, device_ids].cpu(), want_k) and torch.equal(cache.v[:, :, device_ids].cpu(), want_v)
+    # Swaps no larger than the first reuse its pinned staging buffers (one each for K and V).
+    allocated = cache.host_writes.num_allocations
+    for _ in range(3):
+        cache.start_swaps([], out_map[:100]).wait()
+    cache.settle()
+    assert cache.host_writes.num_allocations == allocated == 2
+
+
+def test_host_writes_reuse_their_staging_buffers_and_scatter_off_the_calling_thread() -> None:
+    """The last leg of a CUDA swap-out, on CPU tensors (model/host_writes.py): one buffer per pool
+    name, grown only for a larger swap; the scatter into the host pool runs on a worker thread and
+    is in the pool once settle() returns."""
+    import threading
+
+    from segue.model.host_writes import HostWrites
+
+    writes = HostWrites(pin=False)
+    host = torch.zeros(2, 3, 8, 4)
+    a = writes.landing("k", torch.Size([2, 3, 2, 4]), torch.float32)
+    b = writes.landing("k", torch.Size([2, 3, 1, 4]), torch.float32)
+    assert a.data_ptr() == b.data_ptr() and writes.num_allocations == 1
+    writes.landing("v", torch.Size([2, 3, 2, 4]), torch.float32)
+    writes.landing("k", torch.Size([2, 3, 5, 4]), torch.float32)   # larger: grown once
+    assert writes.num_allocations == 3
+    staged = writes.landing("k", torch.Size([2, 3, 2, 4]), torch.float32)
+    staged.copy_(torch.arange(48, dtype=torch.float32).view(2, 3, 2, 4))
+    seen: list[str] = []
+    release = threading.Event()
+
+    def landed() -> None:  # stands for the copies' CUDA event
+        seen.append(threading.current_thread().name)
+        assert release.wait(10)
+    writes.scatter([(host, torch.tensor([6, 1]), staged)], landed)
+    # The caller goes on while the worker waits for the copies to land.
+    assert host.abs().sum() == 0
+    release.set()
+    writes.settle()
+    assert seen and seen[0] != threading.current_thread().name
+    assert torch.equal(host[:, :, 6], staged[:, :, 0]) and torch.equal(host[:, :, 1], staged[:, :, 1])
+    writes.close()
