@@ -18,6 +18,7 @@ it decides more points. It never changes the plan of the running process.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import fcntl
 import hashlib
@@ -153,6 +154,24 @@ def disturbed_points(table: MeasuredTable) -> int:
     return sum(1 for points in table.ratios.values() for pairs in points.values() if not pairs)
 
 
+def merge_settled(current: T, fresh: T) -> T:
+    """`current` with the points it left undecided and `fresh` decided taken from `fresh` (their
+    intervals and medians); a point both decided keeps `current`'s, so a plan changes only where
+    the earlier timing could say nothing."""
+    merged = copy.deepcopy(current)
+    for what, points in fresh.ratios.items():
+        for point, pairs in points.items():
+            if not pairs or merged.ratios.get(what, {}).get(point):
+                continue
+            merged.ratios.setdefault(what, {})[point] = pairs
+            for candidate, by_point in fresh.timings_ms.get(what, {}).items():
+                for p, ms in by_point.items():
+                    if str(p) == point:
+                        merged.timings_ms.setdefault(what, {}).setdefault(candidate, {})[p] = ms
+    merged.noisy = bool(disturbed_points(merged)) or (current.noisy and fresh.noisy)
+    return merged
+
+
 def _recheck(kind: str, key: dict[str, str], table_type: type[T], measure: Callable[[T | None], T],
              held: T) -> None:
     try:
@@ -165,14 +184,15 @@ def _recheck(kind: str, key: dict[str, str], table_type: type[T], measure: Calla
             current = _load(kind, key, table_type) or held
             if not disturbed_points(current):   # another process settled it meanwhile
                 return
-            fresh = measure(current)
-            gained = decided_points(fresh) - decided_points(current)
+            merged = merge_settled(current, measure(current))
+            gained = decided_points(merged) - decided_points(current)
             if gained > 0:
-                save(kind, fresh)
+                save(kind, merged)
                 logger.info("background re-check of the %s table decided %d more points: saved for the next start",
                             kind, gained)
-            if not disturbed_points(fresh):
-                return
+            current = merged
+        if not disturbed_points(current):
+            return
     logger.info("background re-check of the %s table: still disturbed after %d tries", kind, RECHECK_ATTEMPTS)
 
 

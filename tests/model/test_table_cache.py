@@ -113,3 +113,14 @@ def test_a_disturbed_table_is_checked_again_in_the_background_never_before_answe
     assert again.ratios_at("op", 1) == {"a/b": (0.5, 0.4, 0.6)} and table_cache.disturbed_points(again) == 0
     table_cache.clear_memo()
     table_cache._rechecking.clear()
+
+
+def test_a_re_check_takes_only_the_points_the_earlier_timing_left_undecided() -> None:
+    current = MeasuredTable({"k": "v"}, {"op": {"a": {"1": 1.0, "2": 2.0}, "b": {"1": 1.0, "2": 2.0}}}, noisy=True,
+                            ratios={"op": {"1": {"a/b": (1.0, 0.9, 1.1)}, "2": {}}})
+    fresh = MeasuredTable({"k": "v"}, {"op": {"a": {"1": 0.5, "2": 1.0}, "b": {"1": 1.0, "2": 2.0}}},
+                          ratios={"op": {"1": {"a/b": (0.5, 0.4, 0.6)}, "2": {"a/b": (0.5, 0.45, 0.55)}}})
+    merged = table_cache.merge_settled(current, fresh)
+    assert merged.ratios == {"op": {"1": {"a/b": (1.0, 0.9, 1.1)}, "2": {"a/b": (0.5, 0.45, 0.55)}}}
+    assert merged.timings_ms["op"]["a"] == {"1": 1.0, "2": 1.0} and not merged.noisy
+    assert current.ratios["op"]["2"] == {}   # the held table is not changed under the running plan
