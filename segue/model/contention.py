@@ -77,9 +77,11 @@ def _throttled_s() -> float | None:
     return None
 
 
-def _run_delay_s() -> float | None:
-    """Seconds this process's live threads have waited, runnable, for a CPU."""
-    total = 0
+def _schedstat_s() -> tuple[float, float] | None:
+    """Seconds this process's live threads have run on a CPU, and waited, runnable, for one: both
+    in nanoseconds from the same counters (os.times ticks every 10 ms, too coarse for a timing of
+    a few milliseconds, where it read 0 CPU time beside a real wait)."""
+    ran = waited = 0
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
@@ -87,12 +89,13 @@ def _run_delay_s() -> float | None:
     for tid in tasks:
         try:
             with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as f:
-                total += int(f.read().split()[1])
+                fields = f.read().split()
+            ran, waited = ran + int(fields[0]), waited + int(fields[1])
         except FileNotFoundError:  # the thread ended between listing and reading
             continue
         except (OSError, ValueError, IndexError):
             return None
-    return total * 1e-9
+    return ran * 1e-9, waited * 1e-9
 
 
 @dataclass(frozen=True)
@@ -104,8 +107,11 @@ class Snapshot:
 
     @classmethod
     def now(cls) -> Snapshot:
+        sched = _schedstat_s()
+        if sched is not None:
+            return cls(time.perf_counter(), sched[0], sched[1], _throttled_s())
         t = os.times()
-        return cls(time.perf_counter(), t.user + t.system, _run_delay_s(), _throttled_s())
+        return cls(time.perf_counter(), t.user + t.system, None, _throttled_s())
 
 
 def disturbed(before: Snapshot, after: Snapshot, threads: int) -> str | None:
