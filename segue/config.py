@@ -139,8 +139,15 @@ class ModelLoadConfig:
     # (segue/engine/generation_defaults.py), "none" the OpenAI API's (temperature 1, top_p 1), or a
     # directory holding a generation_config.json — vLLM's --generation-config.
     generation_config: str = "auto"
+    # What a GGUF file's quantized matrices may cost in memory (segue/model/gguf_blocks.py):
+    # "packed" keeps only the file's blocks, which the native kernels compute on; "dense" also
+    # keeps a dense copy in the compute dtype, used for the batch sizes where this machine's
+    # measured table says a GEMM over it beats the block kernels (prefill chunks, large batches).
+    weights_memory: str = "packed"
 
     def validate(self) -> None:
+        if self.weights_memory not in ("packed", "dense"):
+            raise ConfigError(f"unknown weights memory {self.weights_memory!r} (packed, dense)")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"unknown dtype {self.dtype!r} (auto, float32, bfloat16, float16)")
         if self.quantization not in QUANTIZATIONS:

@@ -46,6 +46,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the checkpoint exactly, e.g. a GGUF Q4_1 / Q8_0 file's, for the batch sizes where "
                         "this machine's kernel table measured it faster; never a lossy re-quantization of "
                         "float weights; none on CUDA)")
+    g.add_argument("--weights-memory", default="packed", choices=["packed", "dense"],
+                   help="a GGUF file's quantized weights: packed (default) keeps only the file's blocks, "
+                        "computed on by native kernels, so resident weights are the file's tensor bytes; "
+                        "dense also keeps a dense copy in the compute dtype for the batch sizes where this "
+                        "machine's measured table says a GEMM over it is faster (~3-4x the memory)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="the same kernels at every batch size, so a request's output does not depend on "
                         "the load (CPU, native kernels; int8 unless --quantization int4; slower prefill)")
@@ -95,6 +100,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=ModelLoadConfig(model=args.model, dtype=args.dtype, device=args.device,
                               served_model_name=args.served_model_name, quantization=args.quantization,
                               generation_config=args.generation_config,
+                              weights_memory=getattr(args, "weights_memory", "packed"),
                               batch_invariant=getattr(args, "batch_invariant", False),
                               attention_backend=getattr(args, "attention_backend", "auto")),
         cache=CacheConfig(block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,

@@ -3,6 +3,7 @@ configuration and, on CPU, from this machine's measured kernel table (segue/mode
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -11,6 +12,7 @@ import torch
 
 from segue.config import ConfigError, ModelLoadConfig
 from segue.model.config import ModelConfig
+from segue.model.gguf_blocks import GGMLBlocks, WeightsMemory
 from segue.model.quant import EVERY_BATCH, Quantization, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,12 @@ class KernelPlan:
     head_padded_rows: tuple[tuple[int, int], ...] = ()
     # Every row of a step runs the same kernels whatever the others (ModelExecutor: attention too).
     batch_invariant: bool = False
+    # A GGUF file's matrices kept as blocks (segue/model/gguf_blocks.py): batches of at most this
+    # many rows run the block kernels, larger ones a GEMM over the dense weight; the same for the
+    # LM head. `weights_memory` "dense" keeps that dense weight, "packed" dequantizes it per call.
+    block_rows: int = 0
+    head_block_rows: int = 0
+    weights_memory: str = "packed"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -66,7 +74,7 @@ def lossless_formats(weights: Mapping[str, torch.Tensor], config: ModelConfig) -
 
 
 def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.device, kernels: ModuleType | None,
-                 weights: Mapping[str, torch.Tensor] | None = None) -> KernelPlan:
+                 weights: Mapping[str, torch.Tensor | GGMLBlocks] | None = None) -> KernelPlan:
     """CUDA: bf16 for "auto", no quantization (no fast kernel wired there). CPU: "auto" follows
     the kernel table: the dtype first, then a quantized kernel for the batch sizes where it beats
     that dtype's GEMM, only in a format that holds the checkpoint exactly (`weights`: a GGUF
@@ -75,6 +83,8 @@ def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.devic
     quantization would only dequantize (worse numbers, no speed), so "auto" is none."""
     if load.batch_invariant:
         return _batch_invariant_plan(load, device, kernels)
+    if weights is not None and any(isinstance(w, GGMLBlocks) for w in weights.values()):
+        return _block_plan(load, config, kernels, weights)
     quant_fixed = load.quantization == "none" or (kernels is None and load.quantization != "auto")
     if device.type != "cpu" or (load.dtype != "auto" and quant_fixed):
         # Nothing left for a CPU kernel table to decide: no table is measured.
@@ -83,7 +93,8 @@ def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.devic
         return KernelPlan(dtype, quant)
     from segue.model.kernel_table import kernel_table
 
-    exact_layers, exact_head = lossless_formats(weights, config) \
+    dense_weights = {n: w for n, w in (weights or {}).items() if isinstance(w, torch.Tensor)}
+    exact_layers, exact_head = lossless_formats(dense_weights, config) \
         if weights is not None and load.quantization == "auto" else (set(), set())
     if load.quantization == "auto":
         wanted = tuple(sorted(exact_layers | ({"int8"} & exact_head)))
@@ -117,6 +128,38 @@ def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.devic
                 "(the kernel table of %s)", dtype_name, quant.value, rows, head_quant.value, head_rows, pads,
                 table.key.get("cpu"))
     return plan
+
+
+def _block_plan(load: ModelLoadConfig, config: ModelConfig, kernels: ModuleType | None,
+                weights: Mapping[str, object]) -> KernelPlan:
+    """A GGUF file kept as blocks: the dtype from the GEMM table (it runs the larger batches and
+    the activations), the block kernels up to the row counts where this machine's block table
+    measured them not slower than the GEMM they stand against."""
+    from segue.model.cpu_kernels import load_gguf_kernels
+    from segue.model.gguf_table import block_table
+    from segue.model.kernel_table import kernel_table
+
+    gguf = load_gguf_kernels()
+    if gguf is None:
+        raise ConfigError("GGUF blocks were kept but the GGUF kernels are not built")
+    dtype_name = kernel_table(config, kernels, quants=()).dense_dtype() if load.dtype == "auto" else load.dtype
+    dense = dtype_name if dtype_name in ("float32", "bfloat16") else "bfloat16"
+    padded = tuple(kernel_table(config, kernels, quants=()).padded_rows("layers", dense).items()) \
+        if load.dtype == "auto" else ()
+    memory = WeightsMemory(load.weights_memory)
+    table = block_table(config, weights, DTYPES[dtype_name], gguf, memory)
+    other = "dense" if memory is WeightsMemory.DENSE else "dequant"
+    rows = table.block_rows("layers", other) if "layers" in table.timings_ms else 0
+    head_rows = table.block_rows("lm_head", other) if "lm_head" in table.timings_ms else 0
+    blocks = [w for w in weights.values() if isinstance(w, GGMLBlocks)]
+    counts = Counter(w.type_name for w in blocks)
+    logger.info("kernels: %s; GGUF blocks (%s, %.0f MiB) up to %d rows, LM head up to %d rows; larger batches: "
+                "a GEMM over %s (--weights-memory %s; the block table of %s)", dtype_name,
+                ", ".join(f"{n} {t}" for t, n in sorted(counts.items())), sum(b.nbytes for b in blocks) / 2**20,
+                rows, head_rows, "a dense copy" if memory is WeightsMemory.DENSE else "the layer dequantized per call",
+                memory.value, table.key.get("cpu"))
+    return KernelPlan(DTYPES[dtype_name], Quantization.NONE, padded_rows=padded, block_rows=rows,
+                      head_block_rows=head_rows, weights_memory=memory.value)
 
 
 def _batch_invariant_plan(load: ModelLoadConfig, device: torch.device, kernels: ModuleType | None) -> KernelPlan:

@@ -52,10 +52,16 @@ class ModelExecutor(Executor):
         self.model = LlamaModel(ckpt.config, ckpt.weights, device, dtype, plan.quantization, kernels,
                                 dense_above=plan.quantized_rows, head_dense_above=plan.head_quantized_rows,
                                 head_quantization=plan.head_quantization, padded_rows=dict(plan.padded_rows),
-                                head_padded_rows=dict(plan.head_padded_rows), fused=fused)
+                                head_padded_rows=dict(plan.head_padded_rows), fused=fused,
+                                block_rows=plan.block_rows, head_block_rows=plan.head_block_rows,
+                                weights_memory=plan.weights_memory)
         cfg = ckpt.config
-        logger.info("weights: %.0f MiB in memory (%s, %s layers)", self.model.weight_bytes() / 2**20,
-                    str(dtype).removeprefix("torch."), plan.quantization.value)
+        resident = self.model.weight_bytes()
+        layers = "GGUF blocks" if plan.block_rows or plan.head_block_rows else f"{plan.quantization.value} layers"
+        of_file = f", {resident / ckpt.file_tensor_bytes:.2f}x the file's {ckpt.file_tensor_bytes / 2**20:.0f} MiB " \
+            "of tensors" if ckpt.file_tensor_bytes else ""
+        logger.info("weights: %.0f MiB in memory (%s, %s%s)", resident / 2**20, str(dtype).removeprefix("torch."),
+                    layers, of_file)
         self.block_size = cache.block_size
         block_bytes = KVCache.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                               cache.block_size, self.kv_dtype)

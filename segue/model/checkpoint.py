@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -34,6 +34,8 @@ class LoadedCheckpoint:
     chat_template: str | None
     name: str
     path: str
+    # The bytes a GGUF file's tensors take in it (what resident weights are compared with).
+    file_tensor_bytes: int | None = None
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -66,7 +68,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def finalize_weights(
-    config: ModelConfig, raw: dict[str, Weight], dtype: torch.dtype, source: pathlib.Path
+    config: ModelConfig, raw: Mapping[str, Weight], dtype: torch.dtype, source: pathlib.Path
 ) -> dict[str, Weight]:
     """Check names and shapes against the config and cast, so a bad file fails here, not mid-forward."""
     shapes = expected_shapes(config)

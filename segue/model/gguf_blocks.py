@@ -57,10 +57,11 @@ class GGMLBlocks:
             empty = torch.empty(0, dtype=torch.int64)
             return kernels.gguf_dequantize(self.blocks, self.qtype, self.shape[1],
                                            empty if ids is None else ids, dtype)
+        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         raw = self.blocks if ids is None else self.blocks[ids]
-        dense = dequantize(raw.numpy(), self.qtype).reshape(raw.shape[0], self.shape[1])
+        dense = dequantize(raw.numpy(), GGMLQuantizationType(self.qtype)).reshape(raw.shape[0], self.shape[1])
         return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)).to(dtype)
 
 
@@ -85,8 +86,11 @@ class BlockLinear:
     """
 
     def __init__(self, segments: list[GGMLBlocks], bias: torch.Tensor | None, dtype: torch.dtype,
-                 kernels: ModuleType, block_rows: int, keep_dense: bool = False) -> None:
+                 kernels: ModuleType, block_rows: int, keep_dense: bool = False, fp32_out: bool = False) -> None:
+        """`fp32_out`: the block kernel's fp32 sums are returned as they are (an LM head's
+        logits: rounded to bf16, nearby logits tie and greedy picks by token id)."""
         self.segments = segments
+        self.fp32_out = fp32_out
         self.bias = bias
         self.dtype = dtype
         self._kernels = kernels
@@ -97,10 +101,13 @@ class BlockLinear:
         self.in_features = segments[0].shape[1]
         self.dense = self.dequantize() if keep_dense else None
 
+    def tensors(self) -> list[torch.Tensor]:
+        """What this layer holds in memory: the blocks and any dense copy."""
+        return self._blocks + [t for t in (self.dense, self.bias) if t is not None]
+
     @property
     def nbytes(self) -> int:
-        tensors = self._blocks + [t for t in (self.dense, self.bias) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def dequantize(self) -> torch.Tensor:
         parts = [s.dequantize(self.dtype, self._kernels) for s in self.segments]
@@ -109,7 +116,7 @@ class BlockLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.block_rows:
             out = self._kernels.gguf_linear(x, self._blocks, self._types)
-            if out.dtype != x.dtype:
+            if out.dtype != x.dtype and not self.fp32_out:
                 out = out.to(x.dtype)
             return out if self.bias is None else out + self.bias
         dense = self.dense if self.dense is not None else self.dequantize()
@@ -127,8 +134,3 @@ class BlockEmbedding:
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight.dequantize(self.dtype, self._kernels, ids.reshape(-1)).reshape(*ids.shape, -1)
 
-    def numel(self) -> int:
-        return self.weight.nbytes
-
-    def element_size(self) -> int:
-        return 1

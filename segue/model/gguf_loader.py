@@ -63,6 +63,10 @@ def load_gguf(path: pathlib.Path, dtype: torch.dtype = torch.float32, keep_block
         raise CheckpointError(f"{path}: no token_embd.weight tensor")
 
     config = _model_config(meta, gguf_arch, family, tensor_names, vocab_size=int(embed.shape[1]))
+    if keep_blocks and any(int(t.tensor_type) in NATIVE_TYPES for t in reader.tensors):
+        from segue.model.cpu_kernels import load_gguf_kernels
+
+        keep_blocks = load_gguf_kernels() is not None  # else dequantized here, as before
     raw = _read_tensors(reader, config, permute_qk=gguf_arch in _PERMUTED_QK_ARCHITECTURES, path=path,
                         keep_blocks=keep_blocks)
     weights = finalize_weights(config, raw, dtype, path)
@@ -76,7 +80,8 @@ def load_gguf(path: pathlib.Path, dtype: torch.dtype = torch.float32, keep_block
     bos = meta.get("tokenizer.ggml.bos_token_id")
     config = dataclasses.replace(config, bos_token_id=None if bos is None else int(bos), eos_token_ids=eos)
     name = _QUANT_SUFFIX.sub("", path.stem) or path.stem
-    return LoadedCheckpoint(config, weights, tokenizer, chat_template, name, str(path))
+    return LoadedCheckpoint(config, weights, tokenizer, chat_template, name, str(path),
+                            file_tensor_bytes=sum(int(t.n_bytes) for t in reader.tensors))
 
 
 def load_gguf_tokenizer(

@@ -1,6 +1,7 @@
 """Llama-family decoder forward over a paged KV cache (Llama 2/3, SmolLM2, Qwen2, Mistral).
 
-Weights are plain tensors (or weight-only quantized LinearWeights), not nn.Modules: the forward
+Weights are plain tensors (or weight-only quantized LinearWeights, or a GGUF file's blocks in
+BlockLinear), not nn.Modules: the forward
 is a short list of fused matmuls, and keeping it flat keeps the per-layer Python overhead low,
 which matters for a 135M model on CPU. On CPU the elementwise steps run as native fused ops.
 """
@@ -9,14 +10,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import ModuleType
+from typing import cast
 
 import torch
 
 from segue.model.attention import AttentionMetadata, paged_attention
+from segue.model.checkpoint import Weight
 from segue.model.config import ModelConfig
+from segue.model.cpu_kernels import load_gguf_kernels
 from segue.model.fused_ops import FusedOps
+from segue.model.gguf_blocks import BlockEmbedding, BlockLinear, GGMLBlocks, WeightsMemory, concat_rows
 from segue.model.kv_cache import KVCache
 from segue.model.quant import LinearWeights, Quantization
+
+# A linear layer as the forward calls it: `lin(x)`, with `nbytes` resident.
+Linear = LinearWeights | BlockLinear
 
 
 def _rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -41,11 +49,11 @@ def _rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: LinearWeights
-    o: LinearWeights
+    qkv: Linear
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: LinearWeights
-    down: LinearWeights
+    gate_up: Linear
+    down: Linear
 
 
 class LlamaModel:
@@ -55,13 +63,14 @@ class LlamaModel:
     `head_dense_above` is the same for the LM head, quantized as `head_quantization` (default:
     int8 for int4 layers, else the layers' quantization)."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+    def __init__(self, config: ModelConfig, weights: dict[str, Weight],
                  device: torch.device, dtype: torch.dtype,
                  quantization: Quantization = Quantization.NONE, kernels: ModuleType | None = None,
                  dense_above: int = 16, head_dense_above: int = 16,
                  head_quantization: Quantization | None = None,
                  padded_rows: dict[int, int] | None = None, head_padded_rows: dict[int, int] | None = None,
-                 fused: FusedOps | None = None) -> None:
+                 fused: FusedOps | None = None, block_rows: int = 0, head_block_rows: int = 0,
+                 weights_memory: str = "packed") -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -72,16 +81,32 @@ class LlamaModel:
         self.ops = fused if fused is not None else FusedOps(kernels) if kernels is not None else None
 
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+            t = weights[name]
+            assert isinstance(t, torch.Tensor), f"{name}: norms, biases and dense embeddings are never blocks"
+            return t.to(device=device, dtype=dtype).contiguous()
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearWeights:
+        gguf = load_gguf_kernels() if any(isinstance(t, GGMLBlocks) for t in weights.values()) else None
+        keep_dense = weights_memory == WeightsMemory.DENSE.value
+
+        def linear(parts: list[Weight], bias: torch.Tensor | None = None) -> Linear:
+            if all(isinstance(t, GGMLBlocks) for t in parts):
+                assert gguf is not None  # the loader keeps blocks only where the kernels are built
+                return BlockLinear(concat_rows(cast(list[GGMLBlocks], parts)), bias, dtype, gguf, block_rows,
+                                   keep_dense)
             # Quantize from the checkpoint's own precision, not from a rounded compute-dtype copy.
+            weight = torch.cat([dense(t) for t in parts]) if len(parts) > 1 else dense(parts[0])
             return LinearWeights(weight.to(device), bias, quantization, dtype, kernels, dense_above, padded_rows)
 
-        def raw(name: str) -> torch.Tensor:
+        def dense(t: Weight) -> torch.Tensor:
+            # A file may keep one kind of tensor in a format the kernels do not read (Q3_K ...).
+            return t.dequantize(torch.float32, gguf) if isinstance(t, GGMLBlocks) else t
+
+        def raw(name: str) -> Weight:
             return weights[name]
 
-        self.embed_tokens = w("model.embed_tokens.weight")
+        embed = raw("model.embed_tokens.weight")
+        self.embed_tokens: torch.Tensor | BlockEmbedding = BlockEmbedding(embed, dtype, gguf) \
+            if isinstance(embed, GGMLBlocks) else w("model.embed_tokens.weight")
         head = raw("model.embed_tokens.weight") if config.tie_word_embeddings else raw("lm_head.weight")
         # int4 keeps the LM head in int8, as llama.cpp's Q4 files keep it in 6-8 bits: 4 bits
         # there cost the default model ~19% of its greedy agreement with fp32 (measured), for a
@@ -89,22 +114,23 @@ class LlamaModel:
         head_quant: Quantization = Quantization.INT8 if quantization is Quantization.INT4 else quantization
         if head_quantization is not None:
             head_quant = head_quantization
-        self.lm_head = LinearWeights(head.to(device), None, head_quant, dtype, kernels, head_dense_above,
-                                     head_padded_rows)
+        self.lm_head: Linear = BlockLinear([head], None, dtype, gguf, head_block_rows, keep_dense, fp32_out=True) \
+            if isinstance(head, GGMLBlocks) and gguf is not None else \
+            LinearWeights(dense(head).to(device), None, head_quant, dtype, kernels, head_dense_above, head_padded_rows)
         self.norm = w("model.norm.weight")
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([raw(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv = [raw(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
             qkv_bias = (torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
                         if config.attention_bias else None)
             self.layers.append(_Layer(
                 input_norm=w(p + "input_layernorm.weight"),
                 qkv=linear(qkv, qkv_bias),
-                o=linear(raw(p + "self_attn.o_proj.weight")),
+                o=linear([raw(p + "self_attn.o_proj.weight")]),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=linear(torch.cat([raw(p + "mlp.gate_proj.weight"), raw(p + "mlp.up_proj.weight")])),
-                down=linear(raw(p + "mlp.down_proj.weight")),
+                gate_up=linear([raw(p + "mlp.gate_proj.weight"), raw(p + "mlp.up_proj.weight")]),
+                down=linear([raw(p + "mlp.down_proj.weight")]),
             ))
         inv_freq = _rope_inv_freq(config)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
@@ -117,10 +143,13 @@ class LlamaModel:
         self.scale = config.head_dim ** -0.5
 
     def weight_bytes(self) -> int:
-        """Bytes the weights hold in memory, as run (packed formats and any dense copies)."""
-        plain = [self.embed_tokens, self.norm] + [t for ly in self.layers for t in (ly.input_norm, ly.post_norm)]
+        """Bytes the weights hold in memory, as run (packed formats and any dense copies); a tied
+        LM head's blocks, shared with the embedding, once."""
+        embed = self.embed_tokens.weight.blocks if isinstance(self.embed_tokens, BlockEmbedding) else self.embed_tokens
+        plain = [embed, self.norm] + [t for ly in self.layers for t in (ly.input_norm, ly.post_norm)]
         linears = [self.lm_head] + [lw for ly in self.layers for lw in (ly.qkv, ly.o, ly.gate_up, ly.down)]
-        return sum(t.numel() * t.element_size() for t in plain) + sum(lw.nbytes for lw in linears)
+        unique = {t.data_ptr(): t for t in plain + [t for lw in linears for t in lw.tensors()]}
+        return sum(t.numel() * t.element_size() for t in unique.values())
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()

@@ -141,11 +141,13 @@ class LinearWeights:
         # Past the ladder the largest count is its own target: the batch runs as it is.
         return target if target > timed else rows
 
+    def tensors(self) -> list[torch.Tensor]:
+        """What this layer holds in memory: the packed form and any dense copy."""
+        return self._packed + [t for t in (self.dense, self.bias) if t is not None]
+
     @property
     def nbytes(self) -> int:
-        """Bytes this layer's weights hold in memory (the packed form and any dense copy)."""
-        tensors = self._packed + [t for t in (self.dense, self.bias) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernels is None or x.shape[0] > self.dense_above:

@@ -176,7 +176,7 @@ def test_broken_hf_directories(tmp_path):
 
 def test_directory_dispatch_to_gguf(tmp_path, monkeypatch):
     calls: list[pathlib.Path] = []
-    monkeypatch.setattr(gguf_loader, "load_gguf", lambda path, dtype: calls.append(path) or "loaded")
+    monkeypatch.setattr(gguf_loader, "load_gguf", lambda path, dtype, keep_blocks=False: calls.append(path) or "loaded")
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     assert load_checkpoint(tmp_path) == "loaded" and calls == [tmp_path / "m.gguf"]
     assert load_checkpoint(tmp_path / "m.gguf") == "loaded"

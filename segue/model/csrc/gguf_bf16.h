@@ -57,17 +57,19 @@ struct Rows {
   const uint16_t* x;    // [R, K] bf16
   const float* xsum;    // [R, K / 16] sums of x over 16-wide runs
   int64_t K;
-  __m512 acc[R];
+  __m512 acc[R], acc2[R];  // two chains: one FMA's latency per chunk would bound a single one
   __m256 macc[R];
   float smacc[R];
 
-  // Chunk of 32 weights at column k: acc += s * dot(x[k:k+32], w).
+  // Chunk of 32 weights at column k: acc += s * dot(x[k:k+32], w) (acc2 for odd chunks).
+  template <bool ODD = false>
   inline void chunk(int64_t k, __m512i w, __m512 s) {
     for (int r = 0; r < R; ++r) {
       const __m512i xv = _mm512_loadu_si512(x + r * K + k);
       const __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), reinterpret_cast<__m512bh>(xv),
                                         reinterpret_cast<__m512bh>(w));
-      acc[r] = _mm512_fmadd_ps(d, s, acc[r]);
+      if constexpr (ODD) acc2[r] = _mm512_fmadd_ps(d, s, acc2[r]);
+      else acc[r] = _mm512_fmadd_ps(d, s, acc[r]);
     }
   }
   // Min terms of eight 32-weight sub-blocks from column k: macc += m . sums of x over each.
@@ -116,7 +118,7 @@ inline void block(int64_t t, const uint8_t* b, int64_t k0, Rows<R>& rows) {
           hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), sixteen));
         }
         rows.chunk(k0 + 64 * c, unsigned_codes(lo), _mm512_set1_ps(sc[2 * c]));
-        rows.chunk(k0 + 64 * c + 32, unsigned_codes(hi), _mm512_set1_ps(sc[2 * c + 1]));
+        rows.template chunk<true>(k0 + 64 * c + 32, unsigned_codes(hi), _mm512_set1_ps(sc[2 * c + 1]));
       }
       return;
     }
@@ -135,7 +137,8 @@ inline void block(int64_t t, const uint8_t* b, int64_t k0, Rows<R>& rows) {
           // Sub-blocks of 16: the chunk's first 8 lanes (pairs) take one scale, the last 8 the next.
           const int s = 8 * n + 2 * j;
           const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(s), _mm256_set1_epi32(s + 1), 1);
-          rows.chunk(k0 + 128 * n + 32 * j, q6_k(codes[j]), _mm512_permutexvar_ps(idx, sc));
+          if (j % 2) rows.template chunk<true>(k0 + 128 * n + 32 * j, q6_k(codes[j]), _mm512_permutexvar_ps(idx, sc));
+          else rows.chunk(k0 + 128 * n + 32 * j, q6_k(codes[j]), _mm512_permutexvar_ps(idx, sc));
         }
       }
       return;
@@ -176,11 +179,15 @@ inline void block(int64_t t, const uint8_t* b, int64_t k0, Rows<R>& rows) {
 template <int R>
 inline void channel_r(int64_t t, const Format& f, const uint8_t* row, int64_t K, const uint16_t* x,
                       const float* xsum, float* out, int64_t stride) {
-  Rows<R> rows{x, xsum, K, {}, {}, {}};
-  for (int r = 0; r < R; ++r) rows.acc[r] = _mm512_setzero_ps(), rows.macc[r] = _mm256_setzero_ps(), rows.smacc[r] = 0.f;
+  Rows<R> rows{x, xsum, K, {}, {}, {}, {}};
+  for (int r = 0; r < R; ++r) {
+    rows.acc[r] = rows.acc2[r] = _mm512_setzero_ps();
+    rows.macc[r] = _mm256_setzero_ps();
+    rows.smacc[r] = 0.f;
+  }
   for (int64_t b = 0; b < K / f.block; ++b) block<R>(t, row + b * f.bytes, b * f.block, rows);
   for (int r = 0; r < R; ++r)
-    out[r * stride] = _mm512_reduce_add_ps(rows.acc[r]) + _mm512_reduce_add_ps(_mm512_zextps256_ps512(rows.macc[r])) +
+    out[r * stride] = _mm512_reduce_add_ps(_mm512_add_ps(rows.acc[r], rows.acc2[r])) + _mm512_reduce_add_ps(_mm512_zextps256_ps512(rows.macc[r])) +
                    rows.smacc[r];
 }
 
