@@ -30,6 +30,8 @@ struct Table {
   inline __m512i operator()(__m256i codes) const {
     return _mm512_permutex2var_epi16(lo, _mm512_cvtepu8_epi16(codes), hi);
   }
+  // The same for codes below 32: one table register.
+  inline __m512i small(__m256i codes) const { return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), lo); }
 };
 
 inline __m256i nib_lo(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
@@ -55,7 +57,7 @@ inline void scales_k4(const uint8_t* packed, uint8_t out[16]) {
 template <int R>
 struct Rows {
   const uint16_t* x;    // [R, K] bf16
-  const float* xsum;    // [R, K / 16] sums of x over 16-wide runs
+  const float* xsum;    // [R, K / 32] sums of x over 32-wide runs
   int64_t K;
   __m512 acc[R], acc2[R];  // two chains: one FMA's latency per chunk would bound a single one
   __m256 macc[R];
@@ -74,20 +76,10 @@ struct Rows {
   }
   // Min terms of eight 32-weight sub-blocks from column k: macc += m . sums of x over each.
   inline void mins8(int64_t k, __m256 m) {
-    for (int r = 0; r < R; ++r) {
-      const float* xs = xsum + r * (K / 16) + k / 16;  // 16 sums: pairs make the 8 sub-blocks' sums
-      const __m512 v = _mm512_loadu_ps(xs);
-      const __m512 pair = _mm512_add_ps(v, _mm512_permutexvar_ps(
-          _mm512_setr_epi32(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14), v));
-      const __m256 sums = _mm512_castps512_ps256(_mm512_permutexvar_ps(
-          _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0), pair));
-      macc[r] = _mm256_fmadd_ps(m, sums, macc[r]);
-    }
+    for (int r = 0; r < R; ++r) macc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + r * (K / 32) + k / 32), macc[r]);
   }
   inline void min1(int64_t k, float m) {
-    for (int r = 0; r < R; ++r) {
-      smacc[r] += m * (xsum[r * (K / 16) + k / 16] + xsum[r * (K / 16) + k / 16 + 1]);
-    }
+    for (int r = 0; r < R; ++r) smacc[r] += m * xsum[r * (K / 32) + k / 32];
   }
 };
 
@@ -117,8 +109,8 @@ inline void block(int64_t t, const uint8_t* b, int64_t k0, Rows<R>& rows) {
           lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), sixteen));
           hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), sixteen));
         }
-        rows.chunk(k0 + 64 * c, unsigned_codes(lo), _mm512_set1_ps(sc[2 * c]));
-        rows.template chunk<true>(k0 + 64 * c + 32, unsigned_codes(hi), _mm512_set1_ps(sc[2 * c + 1]));
+        rows.chunk(k0 + 64 * c, unsigned_codes.small(lo), _mm512_set1_ps(sc[2 * c]));
+        rows.template chunk<true>(k0 + 64 * c + 32, unsigned_codes.small(hi), _mm512_set1_ps(sc[2 * c + 1]));
       }
       return;
     }
@@ -148,7 +140,7 @@ inline void block(int64_t t, const uint8_t* b, int64_t k0, Rows<R>& rows) {
       const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (with_min ? 4 : 2)));
       const __m128i m4 = _mm_set1_epi8(0x0F);
       const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
-      rows.chunk(k0, (with_min ? unsigned_codes : q4_0)(codes), _mm512_set1_ps(f16(b)));
+      rows.chunk(k0, (with_min ? unsigned_codes : q4_0).small(codes), _mm512_set1_ps(f16(b)));
       if (with_min) rows.min1(k0, f16(b + 2));
       return;
     }
@@ -161,7 +153,7 @@ inline void block(int64_t t, const uint8_t* b, int64_t k0, Rows<R>& rows) {
       const __m128i m4 = _mm_set1_epi8(0x0F);
       __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
       codes = _mm256_or_si256(codes, _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(16)));
-      rows.chunk(k0, (with_min ? unsigned_codes : q5_0)(codes), _mm512_set1_ps(f16(b)));
+      rows.chunk(k0, (with_min ? unsigned_codes : q5_0).small(codes), _mm512_set1_ps(f16(b)));
       if (with_min) rows.min1(k0, f16(b + 2));
       return;
     }

@@ -304,11 +304,12 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
   }
   const int64_t N = starts[S];
   const float* xp = x32.data_ptr<float>();
-  // Sums of x over 16-wide runs: the min term of every format.
-  std::vector<float> xsum(M * (K / 16));
-  for (int64_t i = 0; i < M * (K / 16); ++i) {
+  // Sums of x over 16-wide runs (32-wide for the bf16 path): the min term of every format.
+  const int64_t run = bf16 ? 32 : 16;
+  std::vector<float> xsum(M * (K / run));
+  for (int64_t i = 0; i < M * (K / run); ++i) {
     float a = 0.f;
-    for (int64_t j = 0; j < 16; ++j) a += xp[i * 16 + j];
+    for (int64_t j = 0; j < run; ++j) a += xp[i * run + j];
     xsum[i] = a;
   }
   auto out = torch::empty({M, N}, x32.options());
@@ -323,7 +324,7 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
       const int64_t mb = std::min(MB, M - m0);
 #ifdef SEGUE_GGUF_BF16
       if (bf16) {
-        gguf_bf16::channel(types[seg], formats[seg], row, K, xb + m0 * K, xsum.data() + m0 * (K / 16), mb,
+        gguf_bf16::channel(types[seg], formats[seg], row, K, xb + m0 * K, xsum.data() + m0 * (K / 32), mb,
                            op + m0 * N + n, N);
         continue;
       }
