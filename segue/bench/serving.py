@@ -11,7 +11,9 @@ vLLM's `bench serve --dataset-name random` makes them:
 
 The headline comparisons in BENCHMARKS.md use vLLM's own client (the peer's tool, not ours); this
 is the same workload for anyone without vLLM installed, and its numbers are comparable between
-servers measured with it in one session.
+servers measured with it in one session. `--peer-url` measures a second server (vLLM, llama.cpp's
+llama-server: /work/shared/peers/ says how to build and run them) row by row beside the first,
+one server at a time, and prints the ratios.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import argparse
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from segue.bench import Benchmark
 
@@ -64,6 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=49152, help="token ids are drawn below this")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts (default: 0)")
     p.add_argument("--output-json", default=None, metavar="PATH", help="also write the results here as JSON")
+    p.add_argument("--peer-url", default=None, help="a second server measured beside the first, row by row "
+                                                     "(e.g. llama-server's http://127.0.0.1:8090/v1); ratios printed")
+    p.add_argument("--peer-model", default=None, help="model name to send the peer (default: its first)")
+    p.add_argument("--num-prompts", type=int, default=None, help="override every row's request count")
+    p.add_argument("--output-len", type=int, default=None, help="override every row's output tokens (prefill keeps 1)")
 
 
 def random_ids(rng, n: int, vocab: int) -> list[int]:
@@ -134,19 +141,41 @@ def run(args: argparse.Namespace) -> int:
     unknown = [r for r in rows if r not in SHAPES]
     if unknown:
         raise SystemExit(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
-    url = args.url.rstrip("/")
-    model = args.served_model or httpx.get(url + "/models", timeout=30).json()["data"][0]["id"]
-    results = [asyncio.run(run_row(url, model, row, args.vocab_size, args.seed)) for row in rows]
-    print("| row | duration (s) | input tok/s | output tok/s | mean TTFT (ms) | errors |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for r in results:
-        print(f"| {r.row} | {r.duration_s:.2f} | {r.input_tok_s:.0f} | {r.output_tok_s:.1f} | "
-              f"{r.mean_ttft_ms:.0f} | {r.errors} |")
+    servers = [("segue", args.url.rstrip("/"), args.served_model)]
+    if args.peer_url:
+        servers.append(("peer", args.peer_url.rstrip("/"), args.peer_model))
+    named = [(name, url, model or httpx.get(url + "/models", timeout=30).json()["data"][0]["id"])
+             for name, url, model in servers]
+    results: list[tuple[str, RowResult]] = []
+    for row in rows:
+        shape = _shape(row, args)
+        for name, url, model in named:  # one server at a time: each row's servers in the same minutes
+            results.append((name, asyncio.run(run_row(url, model, row, args.vocab_size, args.seed, shape))))
+    print("| server | row | requests x in/out | duration (s) | input tok/s | output tok/s | mean TTFT (ms) | errors |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for name, r in results:
+        sh = _shape(r.row, args)
+        print(f"| {name} | {r.row} | {sh.num_prompts} x {sh.prefix_len + sh.input_len}/{sh.output_len} | "
+              f"{r.duration_s:.2f} | {r.input_tok_s:.0f} | {r.output_tok_s:.1f} | {r.mean_ttft_ms:.0f} | {r.errors} |")
+    if args.peer_url:
+        print("\n| row | Segue / peer (the row's rate: output tok/s, input tok/s for prefill and next) |\n|---|---:|")
+        for (_, ours), (_, theirs) in zip(results[::2], results[1::2], strict=True):
+            rate = (lambda r: r.input_tok_s) if ours.row in ("prefill", "next") else (lambda r: r.output_tok_s)
+            print(f"| {ours.row} | {rate(ours) / max(rate(theirs), 1e-9):.2f}x |")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump([{**asdict(r), "input_tok_s": r.input_tok_s, "output_tok_s": r.output_tok_s}
-                       for r in results], f, indent=1)
-    return 1 if any(r.errors for r in results) else 0
+            json.dump([{"server": name, **asdict(r), "input_tok_s": r.input_tok_s, "output_tok_s": r.output_tok_s}
+                       for name, r in results], f, indent=1)
+    return 1 if any(r.errors for _, r in results) else 0
+
+
+def _shape(row: str, args: argparse.Namespace) -> RowShape:
+    shape = SHAPES[row]
+    if args.num_prompts is not None:
+        shape = replace(shape, num_prompts=args.num_prompts)
+    if args.output_len is not None and row != "prefill":
+        shape = replace(shape, output_len=args.output_len)
+    return shape
 
 
 BENCHMARK = Benchmark("serving", "load, single-stream, long-prefill and next-turn rows against any OpenAI URL",

@@ -3,7 +3,9 @@
 Fills a batch (default 64 requests of 256 prompt tokens, the throughput workload), prefills it,
 then profiles decode steps with cProfile and splits the wall time into: linear layers, the LM head,
 attention, other tensor ops, batch building, sampling, the scheduler, detokenization, and the
-remaining Python."""
+remaining Python. Before profiling, the same steps run unprofiled: their time against the weight bytes
+a decode step reads gives the achieved weight traffic in GB/s, beside this machine's measured read
+bandwidth (segue/profiler/bandwidth.py): for one sequence, how close decode runs to its limit."""
 from __future__ import annotations
 
 import argparse
@@ -42,9 +44,9 @@ def run(args: argparse.Namespace) -> int:
     vocab = engine.model_config.vocab_size
     for _ in range(args.num_requests):
         prompt = [rng.randrange(1000, vocab - 1000) for _ in range(args.prompt_len)]
-        engine.add_request(EngineRequest(prompt, SamplingParams(max_tokens=args.steps + 8, ignore_eos=True,
+        engine.add_request(EngineRequest(prompt, SamplingParams(max_tokens=2 * args.steps + 8, ignore_eos=True,
                                                                 **sampling)))
-    needed = args.num_requests * (args.prompt_len + args.steps + 8)
+    needed = args.num_requests * (args.prompt_len + 2 * args.steps + 8)
     pool = engine.scheduler.state.kv_counters().num_blocks * engine.scheduler.state.kv.block_size
     if needed > pool:
         raise SystemExit(f"the batch needs {needed} KV tokens but the pool holds {pool}: "
@@ -53,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
         engine.step()
     for _ in range(2):
         engine.step()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    unprofiled = (time.perf_counter() - t0) / args.steps
     import cProfile
     import pstats
 
@@ -71,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         return total * 1000 / args.steps
 
     # Every matmul with weights goes through LinearWeights.__call__ (fp32 GEMM or quantized kernel).
-    linear = ms(lambda k: k[2] == "__call__" and k[0].endswith("quant.py"), cumulative=True)
+    linear = ms(lambda k: k[2] == "__call__" and k[0].endswith(("quant.py", "gguf_blocks.py")), cumulative=True)
     lm_head = ms(lambda k: k[2] == "compute_logits", cumulative=True)
     attention = ms(lambda k: "paged_decode_attention" in k[2] or "scaled_dot_product_attention" in k[2]
                    or "index_select" in k[2])
@@ -94,6 +100,13 @@ def run(args: argparse.Namespace) -> int:
           f"{str(ex.dtype).removeprefix('torch.')}, KV cache {str(ex.kv_dtype).removeprefix('torch.')}, "
           f"quantization {ex.quantization.value}, "
           f"fused CPU ops {'on' if ex.model.kernels is not None else 'off'}; sampling {sampling or 'OpenAI defaults'}")
+    from segue.profiler.bandwidth import read_bandwidth_gbs
+
+    streamed = ex.model.streamed_bytes()
+    achieved, limit = streamed / unprofiled / 1e9, read_bandwidth_gbs()
+    print(f"unprofiled: {unprofiled * 1000:.1f} ms/step; weights read per step {streamed / 2**20:.0f} MiB -> "
+          f"{achieved:.1f} GB/s of weight traffic, {achieved / limit:.0%} of this machine's measured read "
+          f"bandwidth ({limit:.1f} GB/s, {torch.get_num_threads()} threads)")
     print("| part | ms/step | share |\n|---|---:|---:|")
     for name, value in rows.items():
         print(f"| {name} | {value:.1f} | {value / wall:.0%} |")

@@ -105,6 +105,10 @@ class BlockLinear:
         """What this layer holds in memory: the blocks and any dense copy."""
         return self._blocks + [t for t in (self.dense, self.bias) if t is not None]
 
+    def decode_tensors(self) -> list[torch.Tensor]:
+        """What a decode batch reads: the blocks."""
+        return self._blocks + ([self.bias] if self.bias is not None else [])
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -115,7 +119,7 @@ class BlockLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.block_rows:
-            out = self._kernels.gguf_linear(x, self._blocks, self._types)
+            out = self._kernels.gguf_linear(x, self._blocks, self._types, self.fp32_out)
             if out.dtype != x.dtype and not self.fp32_out:
                 out = out.to(x.dtype)
             return out if self.bias is None else out + self.bias

@@ -151,6 +151,13 @@ class LlamaModel:
         unique = {t.data_ptr(): t for t in plain + [t for lw in linears for t in lw.tensors()]}
         return sum(t.numel() * t.element_size() for t in unique.values())
 
+    def streamed_bytes(self) -> int:
+        """Weight bytes a decode step reads: every linear layer's and the LM head's, in the form
+        the decode kernels read them (blocks, packed or dense), not the embedding's rows."""
+        linears = [self.lm_head] + [lw for ly in self.layers for lw in (ly.qkv, ly.o, ly.gate_up, ly.down)]
+        unique = {t.data_ptr(): t for lw in linears for t in lw.decode_tensors()}
+        return sum(t.numel() * t.element_size() for t in unique.values())
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)

@@ -145,6 +145,12 @@ class LinearWeights:
         """What this layer holds in memory: the packed form and any dense copy."""
         return self._packed + [t for t in (self.dense, self.bias) if t is not None]
 
+    def decode_tensors(self) -> list[torch.Tensor]:
+        """What a decode batch (a few rows) reads: the packed form where a native kernel runs."""
+        if self._kernels is not None and self._packed:
+            return self._packed + ([self.bias] if self.bias is not None else [])
+        return self.tensors()
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())

@@ -279,7 +279,8 @@ void check_segment(const torch::Tensor& blocks, int64_t t, int64_t K) {
 
 // x [M, K] (any float dtype) against the row-wise concatenation of `segments` (each [N_i, row_bytes]
 // uint8 holding ggml blocks of type types[i]): [M, sum N_i] in fp32.
-torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, std::vector<int64_t> types) {
+torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, std::vector<int64_t> types,
+                          bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0, "gguf_linear: x must be [M, K] with K % 32 == 0");
   TORCH_CHECK(segments.size() == types.size() && !segments.empty(), "gguf_linear: one type per segment");
 #ifdef SEGUE_GGUF_BF16
@@ -289,7 +290,6 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
 #endif
   // fp16 activations are widened once per call; bf16 ones are dotted as they are where the CPU can.
   const auto xc = bf16 || x.scalar_type() == torch::kFloat32 ? x.contiguous() : x.to(torch::kFloat32).contiguous();
-  const auto x32 = bf16 ? xc.to(torch::kFloat32) : xc;
   const int64_t M = xc.size(0), K = xc.size(1), S = static_cast<int64_t>(segments.size());
   std::vector<int64_t> starts(S + 1, 0);
   std::vector<Format> formats;
@@ -303,18 +303,30 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
     starts[i + 1] = starts[i] + segments[i].size(0);
   }
   const int64_t N = starts[S];
-  const float* xp = x32.data_ptr<float>();
   // Sums of x over 16-wide runs (32-wide for the bf16 path): the min term of every format.
   const int64_t run = bf16 ? 32 : 16;
   std::vector<float> xsum(M * (K / run));
+  const float* xp = bf16 ? nullptr : xc.data_ptr<float>();
+  const auto* xb = bf16 ? reinterpret_cast<const uint16_t*>(xc.data_ptr()) : nullptr;
   for (int64_t i = 0; i < M * (K / run); ++i) {
     float a = 0.f;
-    for (int64_t j = 0; j < run; ++j) a += xp[i * run + j];
+    for (int64_t j = 0; j < run; ++j) {
+      if (bf16) {
+        const uint32_t bits = static_cast<uint32_t>(xb[i * run + j]) << 16;
+        float v;
+        std::memcpy(&v, &bits, 4);
+        a += v;
+      } else {
+        a += xp[i * run + j];
+      }
+    }
     xsum[i] = a;
   }
-  auto out = torch::empty({M, N}, x32.options());
-  float* op = out.data_ptr<float>();
-  const auto* xb = bf16 ? reinterpret_cast<const uint16_t*>(xc.data_ptr()) : nullptr;
+  // bf16 activations get bf16 outputs (the next op's dtype) unless fp32 is asked for (logits).
+  const bool out_bf16 = bf16 && !fp32_out;
+  auto out = torch::empty({M, N}, xc.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
+  float* op = out_bf16 ? nullptr : out.data_ptr<float>();
+  auto* ob = out_bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
 #pragma omp parallel for schedule(static) if (N * K >= 65536)
   for (int64_t n = 0; n < N; ++n) {
     int64_t seg = 0;
@@ -324,8 +336,12 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
       const int64_t mb = std::min(MB, M - m0);
 #ifdef SEGUE_GGUF_BF16
       if (bf16) {
-        gguf_bf16::channel(types[seg], formats[seg], row, K, xb + m0 * K, xsum.data() + m0 * (K / 32), mb,
-                           op + m0 * N + n, N);
+        float o[MB];
+        gguf_bf16::channel(types[seg], formats[seg], row, K, xb + m0 * K, xsum.data() + m0 * (K / 32), mb, o, 1);
+        for (int64_t r = 0; r < mb; ++r) {
+          if (out_bf16) ob[(m0 + r) * N + n] = c10::BFloat16(o[r]);
+          else op[(m0 + r) * N + n] = o[r];
+        }
         continue;
       }
 #endif
@@ -373,8 +389,9 @@ torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type, int64_t K, tor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_linear", &gguf_linear, "x @ dequant(ggml blocks)^T over row segments of possibly different types",
-        py::arg("x"), py::arg("segments"), py::arg("types"));
+  m.def("gguf_linear", &gguf_linear, "x @ dequant(ggml blocks)^T over row segments of possibly different types "
+        "(fp32 out for fp32 or fp16 x; bf16 x gets bf16 out unless fp32_out)",
+        py::arg("x"), py::arg("segments"), py::arg("types"), py::arg("fp32_out") = false);
   m.def("gguf_dequantize", &gguf_dequantize, "rows of ggml blocks dequantized (all rows when ids is empty)",
         py::arg("blocks"), py::arg("type"), py::arg("k"), py::arg("ids"), py::arg("dtype"));
 }
