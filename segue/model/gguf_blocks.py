@@ -12,6 +12,7 @@ GEMM, or use a dense copy kept beside the blocks where the user allows the memor
 from __future__ import annotations
 
 import enum
+import threading
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -50,19 +51,20 @@ class GGMLBlocks:
         return GGMLBlocks(self.blocks[index].contiguous(), self.qtype, (int(index.numel()), self.shape[1]))
 
     def dequantize(self, dtype: torch.dtype = torch.float32, kernels: ModuleType | None = None,
-                   ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The dense matrix (or rows `ids` of it): the native kernel when built, else gguf's own
-        dequantize, which defines the numbers."""
+                   ids: torch.Tensor | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense matrix (or rows `ids` of it), written `into` a buffer when given: the native
+        kernel when built, else gguf's own dequantize, which defines the numbers."""
         if kernels is not None:
             empty = torch.empty(0, dtype=torch.int64)
             return kernels.gguf_dequantize(self.blocks, self.qtype, self.shape[1],
-                                           empty if ids is None else ids, dtype)
+                                           empty if ids is None else ids, dtype, into)
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         raw = self.blocks if ids is None else self.blocks[ids]
         dense = dequantize(raw.numpy(), GGMLQuantizationType(self.qtype)).reshape(raw.shape[0], self.shape[1])
-        return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)).to(dtype)
+        out = torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)).to(dtype)
+        return out if into is None else into.copy_(out)
 
 
 def concat_rows(parts: list[GGMLBlocks]) -> list[GGMLBlocks]:
@@ -113,9 +115,16 @@ class BlockLinear:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
-    def dequantize(self) -> torch.Tensor:
-        parts = [s.dequantize(self.dtype, self._kernels) for s in self.segments]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    def dequantize(self, scratch: bool = False) -> torch.Tensor:
+        """The dense weight in the compute dtype; with `scratch`, written into this thread's
+        reusable buffer (valid until the next such call: a per-call GEMM's operand)."""
+        out = _scratch(self.out_features * self.in_features, self.dtype).view(self.out_features, self.in_features) \
+            if scratch else torch.empty(self.out_features, self.in_features, dtype=self.dtype)
+        row = 0
+        for s in self.segments:
+            s.dequantize(self.dtype, self._kernels, into=out[row:row + s.shape[0]])
+            row += s.shape[0]
+        return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.block_rows:
@@ -123,8 +132,23 @@ class BlockLinear:
             if out.dtype != x.dtype and not self.fp32_out:
                 out = out.to(x.dtype)
             return out if self.bias is None else out + self.bias
-        dense = self.dense if self.dense is not None else self.dequantize()
+        dense = self.dense if self.dense is not None else self.dequantize(scratch=True)
         return F.linear(x, dense, self.bias)
+
+
+_scratch_buffers = threading.local()
+
+
+def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A per-thread buffer of at least `numel` elements of `dtype`, grown as needed and reused:
+    the largest layer's dense weight, not a fresh allocation (and its page faults) per call."""
+    held = getattr(_scratch_buffers, "by_dtype", None)
+    if held is None:
+        held = _scratch_buffers.by_dtype = {}
+    buf = held.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = held[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
 
 
 class BlockEmbedding:

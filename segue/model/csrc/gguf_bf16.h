@@ -83,9 +83,36 @@ struct Rows {
   }
 };
 
-// One block of type t at column k0 into the rows' accumulators.
-template <int R>
-inline void block(int64_t t, const uint8_t* b, int64_t k0, Rows<R>& rows) {
+// A block's weights written out as bf16, w = s * q + m rounded once (a prefill's per-call dense
+// weight): the same unpacking as the dot products, with a sink that stores instead of summing.
+struct Dequant {
+  c10::BFloat16* out;   // this row's K outputs
+  __m256 mins = _mm256_setzero_ps();
+  float min = 0.f;
+
+  inline void mins8(int64_t, __m256 m) { mins = m; }
+  inline void min1(int64_t, float m) { min = m; }
+  template <bool ODD = false>
+  inline void chunk(int64_t k, __m512i w, __m512 s) {
+    // The sub-block's min: one of the super-block's eight (32-wide sub-blocks), or the block's.
+    alignas(32) float m8[8];
+    _mm256_store_ps(m8, mins);
+    const float m = min != 0.f ? min : m8[(k / 32) % 8];
+    const __m512 mv = _mm512_set1_ps(m);
+    // bf16 words -> fp32: the bits shifted to the top half.
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
+    // s: lane i scales pair i, so elements 0-15 take lane 0's scale and 16-31 lane 8's.
+    const __m512 s_lo = _mm512_permutexvar_ps(_mm512_setzero_si512(), s);
+    const __m512 s_hi = _mm512_permutexvar_ps(_mm512_set1_epi32(8), s);
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(s_hi, hi, mv), _mm512_fmadd_ps(s_lo, lo, mv));
+    _mm512_storeu_si512(out + k, reinterpret_cast<__m512i>(v));
+  }
+};
+
+// One block of type t at column k0 into the sink (the rows' accumulators, or a dequantized row).
+template <class Sink>
+inline void block(int64_t t, const uint8_t* b, int64_t k0, Sink& rows) {
   static const Table unsigned_codes(0), q4_0(8), q5_0(16), q6_k(32);
   switch (t) {
     case Q4_K: case Q5_K: {
@@ -140,8 +167,8 @@ inline void block(int64_t t, const uint8_t* b, int64_t k0, Rows<R>& rows) {
       const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (with_min ? 4 : 2)));
       const __m128i m4 = _mm_set1_epi8(0x0F);
       const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
-      rows.chunk(k0, (with_min ? unsigned_codes : q4_0).small(codes), _mm512_set1_ps(f16(b)));
       if (with_min) rows.min1(k0, f16(b + 2));
+      rows.chunk(k0, (with_min ? unsigned_codes : q4_0).small(codes), _mm512_set1_ps(f16(b)));
       return;
     }
     case Q5_0: case Q5_1: {
@@ -153,8 +180,8 @@ inline void block(int64_t t, const uint8_t* b, int64_t k0, Rows<R>& rows) {
       const __m128i m4 = _mm_set1_epi8(0x0F);
       __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
       codes = _mm256_or_si256(codes, _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(16)));
-      rows.chunk(k0, (with_min ? unsigned_codes : q5_0).small(codes), _mm512_set1_ps(f16(b)));
       if (with_min) rows.min1(k0, f16(b + 2));
+      rows.chunk(k0, (with_min ? unsigned_codes : q5_0).small(codes), _mm512_set1_ps(f16(b)));
       return;
     }
     case Q8_0: {
@@ -177,7 +204,7 @@ inline void channel_r(int64_t t, const Format& f, const uint8_t* row, int64_t K,
     rows.macc[r] = _mm256_setzero_ps();
     rows.smacc[r] = 0.f;
   }
-  for (int64_t b = 0; b < K / f.block; ++b) block<R>(t, row + b * f.bytes, b * f.block, rows);
+  for (int64_t b = 0; b < K / f.block; ++b) block(t, row + b * f.bytes, b * f.block, rows);
   for (int r = 0; r < R; ++r)
     out[r * stride] = _mm512_reduce_add_ps(_mm512_add_ps(rows.acc[r], rows.acc2[r])) + _mm512_reduce_add_ps(_mm512_zextps256_ps512(rows.macc[r])) +
                    rows.smacc[r];
@@ -195,6 +222,15 @@ inline void channel(int64_t t, const Format& f, const uint8_t* row, int64_t K, c
     case 6: return channel_r<6>(t, f, row, K, x, xsum, out, stride);
     case 7: return channel_r<7>(t, f, row, K, x, xsum, out, stride);
     default: return channel_r<8>(t, f, row, K, x, xsum, out, stride);
+  }
+}
+
+// Weight row `row` (K weights of type t) dequantized to bf16 into out[0, K).
+inline void dequantize_row(int64_t t, const Format& f, const uint8_t* row, int64_t K, c10::BFloat16* out) {
+  Dequant sink{out};
+  for (int64_t b = 0; b < K / f.block; ++b) {
+    sink.min = 0.f;
+    block(t, row + b * f.bytes, b * f.block, sink);
   }
 }
 

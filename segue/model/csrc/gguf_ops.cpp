@@ -353,7 +353,8 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
 
 // Rows `ids` (all rows when empty) of a [N, row_bytes] block tensor, dequantized to `dtype`
 // ([len(ids), K]): a prefill's dense weight one layer at a time, or embedding lookups.
-torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type, int64_t K, torch::Tensor ids, c10::ScalarType dtype) {
+torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type, int64_t K, torch::Tensor ids, c10::ScalarType dtype,
+                              c10::optional<torch::Tensor> into) {
   check_segment(blocks, type, K);
   const Format f = format_of(type);
   const bool all = ids.numel() == 0;
@@ -362,26 +363,46 @@ torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type, int64_t K, tor
   const int64_t* ip = all ? nullptr : idx.data_ptr<int64_t>();
   for (int64_t r = 0; !all && r < R; ++r)
     TORCH_CHECK(ip[r] >= 0 && ip[r] < N, "gguf_dequantize: row ", ip[r], " out of range [0, ", N, ")");
-  auto out = torch::empty({R, K}, torch::TensorOptions().dtype(dtype));
+  // `into`: a caller's buffer (a prefill's per-call dequantization reuses one instead of faulting in
+  // fresh pages for every layer of every step).
+  auto out = into.has_value() ? *into : torch::empty({R, K}, torch::TensorOptions().dtype(dtype));
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == dtype && out.numel() == R * K,
+              "gguf_dequantize: `into` must be a contiguous [rows, K] tensor of dtype");
   const bool f32 = dtype == torch::kFloat32;
   TORCH_CHECK(f32 || dtype == torch::kBFloat16 || dtype == torch::kHalf, "gguf_dequantize: fp32, bf16 or fp16 out");
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  const int64_t row_bytes = blocks.size(1);
+  float* o32 = f32 ? out.data_ptr<float>() : nullptr;
+  auto* o16 = dtype == torch::kBFloat16 ? out.data_ptr<c10::BFloat16>() : nullptr;
+  auto* oh = dtype == torch::kHalf ? out.data_ptr<c10::Half>() : nullptr;
 #pragma omp parallel for schedule(static) if (R * K >= 65536)
   for (int64_t r = 0; r < R; ++r) {
     alignas(64) int8_t q[MAXB];
     alignas(64) float w[MAXB];
     float s[MAXS], m[MAXS];
-    const uint8_t* row = bp + (all ? r : ip[r]) * blocks.size(1);
+    const uint8_t* row = bp + (all ? r : ip[r]) * row_bytes;
+#ifdef SEGUE_GGUF_BF16
+    if (o16 != nullptr) {
+      gguf_bf16::dequantize_row(type, f, row, K, o16 + r * K);
+      continue;
+    }
+#endif
     for (int64_t b = 0; b < K / f.block; ++b) {
       unpack(type, row + b * f.bytes, q, s, m);
-      float* dst = f32 ? out.data_ptr<float>() + r * K + b * f.block : w;
-      expand(q, s, m, f.block, f.sub, dst);
-      if (dtype == torch::kBFloat16) {
-        auto* o = out.data_ptr<c10::BFloat16>() + r * K + b * f.block;
-        for (int64_t i = 0; i < f.block; ++i) o[i] = c10::BFloat16(w[i]);
-      } else if (dtype == torch::kHalf) {
-        auto* o = out.data_ptr<c10::Half>() + r * K + b * f.block;
-        for (int64_t i = 0; i < f.block; ++i) o[i] = c10::Half(w[i]);
+      const int64_t at = r * K + b * f.block;
+      expand(q, s, m, f.block, f.sub, f32 ? o32 + at : w);
+      if (o16 != nullptr) {
+#ifdef SEGUE_GGUF_BF16
+        // Round to nearest even, as c10::BFloat16 does, 16 at a time: a prefill's per-call
+        // dequantization of every layer is on its critical path.
+        for (int64_t i = 0; i < f.block; i += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o16 + at + i),
+                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(w + i))));
+#else
+        for (int64_t i = 0; i < f.block; ++i) o16[at + i] = c10::BFloat16(w[i]);
+#endif
+      } else if (oh != nullptr) {
+        for (int64_t i = 0; i < f.block; ++i) oh[at + i] = c10::Half(w[i]);
       }
     }
   }
@@ -393,5 +414,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(fp32 out for fp32 or fp16 x; bf16 x gets bf16 out unless fp32_out)",
         py::arg("x"), py::arg("segments"), py::arg("types"), py::arg("fp32_out") = false);
   m.def("gguf_dequantize", &gguf_dequantize, "rows of ggml blocks dequantized (all rows when ids is empty)",
-        py::arg("blocks"), py::arg("type"), py::arg("k"), py::arg("ids"), py::arg("dtype"));
+        py::arg("blocks"), py::arg("type"), py::arg("k"), py::arg("ids"), py::arg("dtype"),
+        py::arg("into") = py::none());
 }
