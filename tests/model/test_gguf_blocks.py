@@ -35,10 +35,23 @@ def test_block_kernel_sums_the_dequantized_weights(qtype, rows, dtype):
     w = rng.standard_normal((160, 512)) * rng.uniform(0.01, 1.0, size=(160, 1))
     b = blocks_of(w, qtype)
     x = torch.randn(rows, 512, dtype=torch.float64).to(dtype)
-    y = KERNELS.gguf_linear(x, [b.blocks], [b.qtype])
+    y = KERNELS.gguf_linear(x, [b.blocks], [b.qtype], True)   # fp32 sums, not rounded to bf16
     ref = x.double() @ reference(b).T   # the activations as given: bf16 ones are exact in fp64
     assert y.dtype == torch.float32
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t.name[1] != "K" and "_K" not in t.name], ids=lambda t: t.name)
+@pytest.mark.parametrize("width", [96, 544])
+def test_legacy_rows_that_are_not_whole_groups_of_eight_blocks(qtype, width):
+    """32-wide formats gather eight blocks' scales at a time: rows of 3 and 17 blocks end mid-group."""
+    w = np.random.default_rng(width).standard_normal((70, width))
+    b = blocks_of(w, qtype)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, width).to(dtype)
+        ref = x.double() @ reference(b).T
+        torch.testing.assert_close(KERNELS.gguf_linear(x, [b.blocks], [b.qtype], True).double(), ref,
+                                   rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

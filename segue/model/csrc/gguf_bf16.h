@@ -195,6 +195,40 @@ inline void block(int64_t t, const uint8_t* b, int64_t k0, Sink& rows) {
   }
 }
 
+// Q4_0 / Q4_1 rows, the default model's layers: a block of 32 carries its own fp16 scale (and min),
+// so the block loop above spends more on scalar scale handling than on the weights. Here eight
+// blocks' scales and mins are gathered and widened at once, every min term of the row is one dot
+// product with the activations' 32-wide sums, and the weight loop only broadcasts a scale.
+template <int R>
+inline void legacy_q4(bool with_min, const Format& f, const uint8_t* row, int64_t K, Rows<R>& rows) {
+  static const Table unsigned_codes(0), q4_0(8);
+  const Table& table = with_min ? unsigned_codes : q4_0;
+  const int64_t blocks = K / 32;
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const __m256i stride = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
+    const int64_t nb = std::min<int64_t>(8, blocks - b0);
+    const __mmask8 live = static_cast<__mmask8>((1u << nb) - 1);
+    // Bytes 0-3 of each block: d (and m for Q4_1) as two fp16.
+    const __m256i dm = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), live,
+        _mm256_mullo_epi32(stride, _mm256_set1_epi32(static_cast<int>(f.bytes))), row + b0 * f.bytes, 1);
+    alignas(32) float d[8];
+    _mm256_store_ps(d, _mm256_cvtph_ps(_mm256_cvtepi32_epi16(dm)));
+    if (with_min) {
+      const __m256 m = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(dm, 16)));
+      for (int r = 0; r < R; ++r)
+        rows.macc[r] = _mm256_fmadd_ps(m, _mm256_maskz_loadu_ps(live, rows.xsum + r * (K / 32) + b0), rows.macc[r]);
+    }
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* b = row + (b0 + i) * f.bytes;
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (with_min ? 4 : 2)));
+      const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+      if (i % 2) rows.template chunk<true>((b0 + i) * 32, table.small(codes), _mm512_set1_ps(d[i]));
+      else rows.chunk((b0 + i) * 32, table.small(codes), _mm512_set1_ps(d[i]));
+    }
+  }
+}
+
 template <int R>
 inline void channel_r(int64_t t, const Format& f, const uint8_t* row, int64_t K, const uint16_t* x,
                       const float* xsum, float* out, int64_t stride) {
@@ -204,7 +238,9 @@ inline void channel_r(int64_t t, const Format& f, const uint8_t* row, int64_t K,
     rows.macc[r] = _mm256_setzero_ps();
     rows.smacc[r] = 0.f;
   }
-  for (int64_t b = 0; b < K / f.block; ++b) block(t, row + b * f.bytes, b * f.block, rows);
+  if (t == Q4_0 || t == Q4_1) legacy_q4(t == Q4_1, f, row, K, rows);
+  else
+    for (int64_t b = 0; b < K / f.block; ++b) block(t, row + b * f.bytes, b * f.block, rows);
   for (int r = 0; r < R; ++r)
     out[r * stride] = _mm512_reduce_add_ps(_mm512_add_ps(rows.acc[r], rows.acc2[r])) + _mm512_reduce_add_ps(_mm512_zextps256_ps512(rows.macc[r])) +
                    rows.smacc[r];
