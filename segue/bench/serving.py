@@ -80,7 +80,20 @@ def random_ids(rng, n: int, vocab: int) -> list[int]:
 
 
 async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
-    """(TTFT in seconds, output tokens) of one streamed completion."""
+    """(TTFT in seconds, output tokens) of one streamed completion. A connection the server closed
+    before answering (llama-server drops idle keep-alive connections) is retried once on a new one:
+    the request never reached it, and counting it as failed would wrong the server."""
+    import httpx
+
+    try:
+        return await _stream_one(client, url, model, prompt, max_tokens)
+    except httpx.RemoteProtocolError as e:
+        if "without sending a response" not in str(e):
+            raise
+        return await _stream_one(client, url, model, prompt, max_tokens)
+
+
+async def _stream_one(client, url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "temperature": 0.0, "stream_options": {"include_usage": True}}
     t0, ttft, tokens = time.perf_counter(), None, 0
