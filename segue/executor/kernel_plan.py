@@ -50,8 +50,9 @@ def resolve_device(name: str) -> torch.device:
 
 def lossless_formats(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> tuple[set[str], set[str]]:
     """The quantized formats that hold the checkpoint's matrices exactly (a GGUF Q4_1 or Q8_0
-    file's, dequantized), for the layers and for the LM head. Checked on the first and last
-    layer's projections: GGUF files quantize a tensor kind alike across layers."""
+    file's, dequantized), for the layers and for the LM head. Checked on every projection of the
+    first and last layer (q, k and v are fused into one matrix, gate and up into another: a
+    format must hold each): GGUF files quantize a tensor kind alike across layers."""
     def exact(w: torch.Tensor) -> set[str]:
         w = w.float()
         tol = 1e-5 * float(w.abs().max()) + 1e-12
@@ -65,7 +66,8 @@ def lossless_formats(weights: Mapping[str, torch.Tensor], config: ModelConfig) -
 
     layers: set[str] | None = None
     for i in {0, config.num_layers - 1}:
-        for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
             w = weights.get(f"model.layers.{i}.{name}.weight")
             found = exact(w) if w is not None else set()
             layers = found if layers is None else layers & found
@@ -82,7 +84,7 @@ def plan_kernels(load: ModelLoadConfig, config: ModelConfig, device: torch.devic
     An explicit quantization runs where the table says it wins. Without native kernels a
     quantization would only dequantize (worse numbers, no speed), so "auto" is none."""
     if load.batch_invariant:
-        return _batch_invariant_plan(load, device, kernels)
+        return _batch_invariant_plan(load, config, device, kernels, weights)
     if weights is not None and any(isinstance(w, GGMLBlocks) for w in weights.values()):
         return _block_plan(load, config, kernels, weights)
     quant_fixed = load.quantization == "none" or (kernels is None and load.quantization != "auto")
@@ -162,7 +164,9 @@ def _block_plan(load: ModelLoadConfig, config: ModelConfig, kernels: ModuleType 
                       head_block_rows=head_rows, weights_memory=memory.value)
 
 
-def _batch_invariant_plan(load: ModelLoadConfig, device: torch.device, kernels: ModuleType | None) -> KernelPlan:
+def _batch_invariant_plan(load: ModelLoadConfig, config: ModelConfig, device: torch.device,
+                          kernels: ModuleType | None,
+                          weights: Mapping[str, torch.Tensor | GGMLBlocks] | None = None) -> KernelPlan:
     """The native quantized kernels at every batch size: each output row is summed in the same
     order whatever the other rows (segue/model/csrc/quant_ops.cpp), as are the fused ops' rows;
     the executor runs every row through one attention kernel in position order (ModelExecutor.
@@ -174,6 +178,16 @@ def _batch_invariant_plan(load: ModelLoadConfig, device: torch.device, kernels: 
         raise ConfigError("batch_invariant runs the quantized native kernels at every batch size: "
                           "use quantization auto, int8 or int4")
     quant = Quantization.INT4 if load.quantization == "int4" else Quantization.INT8
+    head = Quantization.INT8
+    if load.quantization == "auto" and weights is not None:
+        # A checkpoint a format holds exactly (the default model's Q4_1 layers) runs in that
+        # format: re-quantizing it to int8 would change its numbers.
+        dense = {n: w for n, w in weights.items() if isinstance(w, torch.Tensor)}
+        exact_layers, exact_head = lossless_formats(dense, config)
+        if exact_layers:
+            quant = Quantization.INT8 if "int8" in exact_layers else Quantization.INT4
+        if exact_head:
+            head = Quantization.INT8 if "int8" in exact_head else Quantization.INT4
     # The kernels accumulate in fp32; bf16 activations would only add a rounding per layer.
     dtype = torch.float32 if load.dtype == "auto" else DTYPES[load.dtype]
-    return KernelPlan(dtype, quant, EVERY_BATCH, EVERY_BATCH, Quantization.INT8, batch_invariant=True)
+    return KernelPlan(dtype, quant, EVERY_BATCH, EVERY_BATCH, head, batch_invariant=True)
