@@ -412,8 +412,10 @@ torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type, int64_t K, tor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear, "x @ dequant(ggml blocks)^T over row segments of possibly different types "
         "(fp32 out for fp32 or fp16 x; bf16 x gets bf16 out unless fp32_out)",
-        py::arg("x"), py::arg("segments"), py::arg("types"), py::arg("fp32_out") = false);
+        py::arg("x"), py::arg("segments"), py::arg("types"), py::arg("fp32_out") = false,
+        // A server's event loop streams the last step's tokens while this one computes.
+        py::call_guard<py::gil_scoped_release>());
   m.def("gguf_dequantize", &gguf_dequantize, "rows of ggml blocks dequantized (all rows when ids is empty)",
         py::arg("blocks"), py::arg("type"), py::arg("k"), py::arg("ids"), py::arg("dtype"),
-        py::arg("into") = py::none());
+        py::arg("into") = py::none(), py::call_guard<py::gil_scoped_release>());
 }
