@@ -54,7 +54,10 @@ def run(args: argparse.Namespace) -> int:
         print(note)
     device = torch.device(measured)
     kernels = load_cpu_kernels()
-    ckpt = load_checkpoint(config.model.model)
+    from segue.executor.loading import keep_blocks
+
+    # As the engine loads it: a GGUF file's blocks kept, so its block table is measured here too.
+    ckpt = load_checkpoint(config.model.model, keep_blocks=keep_blocks(config, device))
     model = ckpt.config
     # Remeasured (and saved where the engine looks) with every format, so the table is complete.
     table = kt.kernel_table(model, kernels, remeasure=args.remeasure)
@@ -76,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"CPU plan for --dtype {config.model.dtype} --quantization {config.model.quantization}: "
           f"{str(plan.dtype).removeprefix('torch.')}; {plan.quantization.value} layers up to "
           f"{plan.quantized_rows} rows, {(plan.head_quantization or plan.quantization).value} LM head up to "
-          f"{plan.head_quantized_rows} rows")
+          f"{plan.head_quantized_rows} rows" + (f"; GGUF blocks up to {plan.block_rows} rows, LM head up to "
+                                                f"{plan.head_block_rows}" if plan.block_rows or plan.head_block_rows
+                                                else ""))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"table": json.loads(table.to_json()), "attention": json.loads(attention.to_json()),

@@ -45,7 +45,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     fixed = config.model.dtype != "auto" and config.model.quantization == "none"
     t0 = time.perf_counter()
     ckpt = load_checkpoint(config.model.model, dtype=DTYPES[config.model.dtype] if fixed else torch.float32,
-                           keep_blocks=_keep_blocks(config, device))
+                           keep_blocks=keep_blocks(config, device))
     # Where a start's own work ends and planning begins: measured tables, when not cached, come next.
     logger.info("weights loaded: %s in %.1f s", ckpt.name, time.perf_counter() - t0)
     plan = plan_kernels(config.model, ckpt.config, device, kernels, ckpt.weights)
@@ -53,7 +53,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     return LoadedModel(executor, ckpt.tokenizer, ckpt.config, ckpt.name, ckpt.chat_template)
 
 
-def _keep_blocks(config: EngineConfig, device: object) -> bool:
+def keep_blocks(config: EngineConfig, device: object) -> bool:
     """Whether a GGUF file's quantized matrices may stay as blocks (where the block kernels
     build): on CPU, unless a quantization was asked for (it re-quantizes from dequantized
     weights) or a batch-invariant run (its one kernel per op is the int8/int4 one)."""
