@@ -174,7 +174,8 @@ def q4_weights(n: int, k: int, seed: int) -> torch.Tensor:
 
 
 def tiny_weights(layer_weights) -> dict[str, torch.Tensor]:
-    names = {"self_attn.q_proj": (64, 64), "self_attn.o_proj": (64, 64), "mlp.gate_proj": (128, 64),
+    names = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64), "self_attn.v_proj": (32, 64),
+             "self_attn.o_proj": (64, 64), "mlp.gate_proj": (128, 64), "mlp.up_proj": (128, 64),
              "mlp.down_proj": (64, 128)}
     out = {f"model.layers.{i}.{n}.weight": layer_weights(*shape, seed=i)
            for i in range(2) for n, shape in names.items()}
