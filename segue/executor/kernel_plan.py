@@ -144,10 +144,11 @@ def _block_plan(load: ModelLoadConfig, config: ModelConfig, kernels: ModuleType 
     gguf = load_gguf_kernels()
     if gguf is None:
         raise ConfigError("GGUF blocks were kept but the GGUF kernels are not built")
-    dtype_name = kernel_table(config, kernels, quants=()).dense_dtype() if load.dtype == "auto" else load.dtype
+    gemms = kernel_table(config, kernels, quants=()) if load.dtype == "auto" else None
+    dtype_name = gemms.dense_dtype() if gemms is not None else load.dtype
     dense = dtype_name if dtype_name in ("float32", "bfloat16") else "bfloat16"
-    padded = tuple(kernel_table(config, kernels, quants=()).padded_rows("layers", dense).items()) \
-        if load.dtype == "auto" else ()
+    # For matrices of a type the block kernels do not read (LinearWeights over dequantized ones).
+    padded = tuple(gemms.padded_rows("layers", dense).items()) if gemms is not None else ()
     memory = WeightsMemory(load.weights_memory)
     table = block_table(config, weights, DTYPES[dtype_name], gguf, memory)
     other = "dense" if memory is WeightsMemory.DENSE else "dequant"

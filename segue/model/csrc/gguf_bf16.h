@@ -37,6 +37,11 @@ struct Table {
 inline __m256i nib_lo(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline __m256i nib_hi(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// A legacy block's 16 bytes of nibbles -> its 32 codes in element order (low nibbles, then high).
+inline __m256i codes32(const uint8_t* p) {
+  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m4 = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+}
 
 // The 8 six-bit scales and 8 mins of a Q4_K / Q5_K super-block, unpacked four at a time in 32-bit
 // words (ggml's get_scale_min_k4 for all j at once): bytes 0-7 scales, 8-15 mins.
@@ -164,9 +169,7 @@ inline void block(int64_t t, const uint8_t* b, int64_t k0, Sink& rows) {
     }
     case Q4_0: case Q4_1: {
       const bool with_min = t == Q4_1;
-      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (with_min ? 4 : 2)));
-      const __m128i m4 = _mm_set1_epi8(0x0F);
-      const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+      const __m256i codes = codes32(b + (with_min ? 4 : 2));
       if (with_min) rows.min1(k0, f16(b + 2));
       rows.chunk(k0, (with_min ? unsigned_codes : q4_0).small(codes), _mm512_set1_ps(f16(b)));
       return;
@@ -176,9 +179,7 @@ inline void block(int64_t t, const uint8_t* b, int64_t k0, Sink& rows) {
       const uint8_t* hb = b + (with_min ? 4 : 2);
       uint32_t qh;
       std::memcpy(&qh, hb, 4);
-      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(hb + 4));
-      const __m128i m4 = _mm_set1_epi8(0x0F);
-      __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+      __m256i codes = codes32(hb + 4);
       codes = _mm256_or_si256(codes, _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(16)));
       if (with_min) rows.min1(k0, f16(b + 2));
       rows.chunk(k0, (with_min ? unsigned_codes : q5_0).small(codes), _mm512_set1_ps(f16(b)));
@@ -204,7 +205,6 @@ inline void legacy_q4(bool with_min, const Format& f, const uint8_t* row, int64_
   static const Table unsigned_codes(0), q4_0(8);
   const Table& table = with_min ? unsigned_codes : q4_0;
   const int64_t blocks = K / 32;
-  const __m128i m4 = _mm_set1_epi8(0x0F);
   const __m256i stride = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
     const int64_t nb = std::min<int64_t>(8, blocks - b0);
@@ -221,8 +221,7 @@ inline void legacy_q4(bool with_min, const Format& f, const uint8_t* row, int64_
     }
     for (int64_t i = 0; i < nb; ++i) {
       const uint8_t* b = row + (b0 + i) * f.bytes;
-      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (with_min ? 4 : 2)));
-      const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
+      const __m256i codes = codes32(b + (with_min ? 4 : 2));
       if (i % 2) rows.template chunk<true>((b0 + i) * 32, table.small(codes), _mm512_set1_ps(d[i]));
       else rows.chunk((b0 + i) * 32, table.small(codes), _mm512_set1_ps(d[i]));
     }

@@ -248,7 +248,7 @@ void channel(int64_t t, const Format& f, const uint8_t* row, int64_t K, const fl
   Acc acc[MB];
   float macc[MB];
   for (int64_t r = 0; r < mb; ++r) acc[r] = acc_zero(), macc[r] = 0.f;
-  const int64_t blocks = K / f.block, sums = K / 16;
+  const int64_t blocks = K / f.block;
   for (int64_t b = 0; b < blocks; ++b) {
     unpack(t, row + b * f.bytes, q, s, m);
     const int64_t k0 = b * f.block;
@@ -259,7 +259,6 @@ void channel(int64_t t, const Format& f, const uint8_t* row, int64_t K, const fl
       for (int64_t r = 0; r < mb; ++r) dot_dense(w, x + r * K + k0, f.block, acc[r]);
     }
   }
-  (void)sums;
   for (int64_t r = 0; r < mb; ++r) out[r * out_stride] = acc_sum(acc[r]) + macc[r];
 }
 
