@@ -18,7 +18,7 @@ from segue.executor.kernel_plan import KernelPlan
 from segue.kv.interface import cdiv
 from segue.model.attention import AttentionMetadata, PrefillChunk
 from segue.model.checkpoint import LoadedCheckpoint
-from segue.model.kv_cache import KVCache
+from segue.model.kv_tensors import KVTensors
 from segue.model.llama import LlamaModel
 from segue.model.quant import EVERY_BATCH, Quantization
 
@@ -28,7 +28,7 @@ def full_logits(model: LlamaModel, ids: list[int], block_size: int = 16, last_on
     prefill from position 0."""
     cfg, n = model.config, len(ids)
     blocks = cdiv(n, block_size)
-    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, blocks, 0,
+    cache = KVTensors(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, blocks, 0,
                     model.device, model.dtype)
     dev = model.device
     meta = AttentionMetadata(slot_mapping=torch.arange(n, device=dev))
@@ -76,7 +76,7 @@ def _decode_over_cache(model: LlamaModel, prompt: list[int], n: int, forced: lis
     fed `forced` (teacher forcing) or, without it, each step's own greedy token."""
     cfg, dev = model.config, model.device
     blocks = cdiv(len(prompt) + n, block_size)
-    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, blocks, 0, dev,
+    cache = KVTensors(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, blocks, 0, dev,
                     kv_dtype or model.dtype)
     table = torch.arange(blocks, device=dev)
     p = len(prompt)
@@ -214,7 +214,8 @@ def engine_logits(ckpt: LoadedCheckpoint, plan: KernelPlan, kernels: ModuleType 
     steps: list[tuple[torch.Tensor, torch.Tensor]] = []
     forward = model.forward
 
-    def keep(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+    def keep(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+             cache: KVTensors) -> torch.Tensor:
         hidden = forward(input_ids, positions, meta, cache)
         steps.append((meta.slot_mapping.clone(), hidden))
         return hidden

@@ -17,7 +17,7 @@ from segue.model.attention_backends import AttentionBackend, AttentionKind, caus
 from segue.model.attention_table import AttentionPlan, plan_attention
 from segue.model.fused_ops import FusedOps
 from segue.model.fused_table import fused_table
-from segue.model.kv_cache import KVCache
+from segue.model.kv_tensors import KVTensors
 from segue.model.llama import LlamaModel
 from segue.model.loader import LoadedCheckpoint
 from segue.model.sampler import sample
@@ -63,7 +63,7 @@ class ModelExecutor(Executor):
         logger.info("weights: %.0f MiB in memory (%s, %s%s)", resident / 2**20, str(dtype).removeprefix("torch."),
                     layers, of_file)
         self.block_size = cache.block_size
-        block_bytes = KVCache.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+        block_bytes = KVTensors.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                               cache.block_size, self.kv_dtype)
         if cache.kv_cache_bytes is not None:
             self.num_device_blocks = max(1, cache.kv_cache_bytes // block_bytes)
@@ -74,7 +74,7 @@ class ModelExecutor(Executor):
         self.device_name = torch.cuda.get_device_name(device).replace(" ", "-") if device.type == "cuda" else "cpu"
         # Seconds the last step spent copying KV between host and device (swap-stall waste).
         self.last_swap_seconds = 0.0
-        self.kv_cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache.block_size,
+        self.kv_cache = KVTensors(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cache.block_size,
                                 self.num_device_blocks, self.num_host_blocks, device, self.kv_dtype)
         # Requests whose next sampled token should carry its hidden state (want_hidden_states).
         self._hidden_for: frozenset[str] = frozenset()
@@ -218,7 +218,7 @@ class ModelExecutor(Executor):
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         hidden_for, self._hidden_for = self._hidden_for, frozenset()
         # Write-backs read blocks that this step's swap-ins and forward pass overwrite: they go
-        # first, synchronously, and count as stall; so do a CPU's swaps (KVCache.start_swaps).
+        # first, synchronously, and count as stall; so do a CPU's swaps (KVTensors.start_swaps).
         t0 = time.perf_counter()
         self.kv_cache.back_up(out.blocks_to_back_up)
         swaps = self.kv_cache.start_swaps(out.blocks_to_swap_in, out.blocks_to_swap_out)

@@ -20,7 +20,7 @@ from segue.model.attention_backends import (
     sdpa_extend_masked,
     sdpa_prefill,
 )
-from segue.model.kv_cache import KVCache
+from segue.model.kv_tensors import KVTensors
 
 
 @dataclass
@@ -56,7 +56,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-def _decode_attention(q: torch.Tensor, cache: KVCache, layer: int, meta: AttentionMetadata,
+def _decode_attention(q: torch.Tensor, cache: KVTensors, layer: int, meta: AttentionMetadata,
                       scale: float) -> torch.Tensor:
     nd, nh, hd = q.shape
     kc, vc, blocks = cache.k[layer], cache.v[layer], meta.decode_blocks
@@ -69,7 +69,7 @@ def _decode_attention(q: torch.Tensor, cache: KVCache, layer: int, meta: Attenti
     return sdpa_decode(q, kc, vc, blocks, meta.decode_mask, scale)
 
 
-def _chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: KVCache,
+def _chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: KVTensors,
                      layer: int, chunk: PrefillChunk, scale: float) -> torch.Tensor:
     if chunk.start_pos == 0:
         # Causal over its own tokens: the same for every torch backend, nothing to gather.
@@ -80,7 +80,7 @@ def _chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     return sdpa_extend_masked(q, kc, vc, chunk.block_ids, chunk.start_pos, scale, chunk.mask)
 
 
-def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: KVCache,
+def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cache: KVTensors,
                     layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, dim]; k_new/v_new: this step's K/V (already written to the cache)."""
     parts = []

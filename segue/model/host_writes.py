@@ -10,7 +10,7 @@ the scatter runs on a worker thread of its own; torch releases the GIL in the co
 engine thread schedules and launches the next step meanwhile.
 
 The host pool holds the bytes once `settle()` returns. Every use of the pool or of the staging
-buffers settles first (KVCache: swap-in, write-back, the next swap-out), so nothing reads a host
+buffers settles first (KVTensors: swap-in, write-back, the next swap-out), so nothing reads a host
 block before its bytes are there, and no swap reuses a buffer the last scatter still reads.
 """
 from __future__ import annotations

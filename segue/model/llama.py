@@ -20,7 +20,7 @@ from segue.model.config import ModelConfig
 from segue.model.cpu_kernels import load_gguf_kernels
 from segue.model.fused_ops import FusedOps
 from segue.model.gguf_blocks import BlockEmbedding, BlockLinear, GGMLBlocks, WeightsMemory, concat_rows
-from segue.model.kv_cache import KVCache
+from segue.model.kv_tensors import KVTensors
 from segue.model.quant import LinearWeights, Quantization
 
 # A linear layer as the forward calls it: `lin(x)`, with `nbytes` resident.
@@ -171,7 +171,7 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache) -> torch.Tensor:
+                kv_cache: KVTensors) -> torch.Tensor:
         """input_ids, positions: [T] for all scheduled tokens; returns hidden states [T, H]."""
         if self.kernels is not None:
             return self._forward_fused(input_ids, positions, meta, kv_cache)
@@ -196,7 +196,7 @@ class LlamaModel:
         return self._rms_norm(h, self.norm)
 
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       kv_cache: KVCache) -> torch.Tensor:
+                       kv_cache: KVTensors) -> torch.Tensor:
         """The same math with each layer's elementwise steps as 4 fused calls (CPU), each native or
         torch's as measured."""
         cfg, ops = self.config, self.ops

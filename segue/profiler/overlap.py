@@ -5,7 +5,7 @@ A GPU copies with its copy engine while its SMs compute, so InferCept hides swap
 forward pass. A CPU has no copy engine: a copy beside the forward takes cores from it, and the
 forward's threads wait for the missing core at every barrier (2-core AMD EPYC, avx512_bf16: a
 decode step of 4 x 2,048 tokens ran 1.6-1.8x slower while a thread copied blocks). That is why
-KVCache.start_swaps copies before the forward on a CPU; the measurement lets the simulator charge
+KVTensors.start_swaps copies before the forward on a CPU; the measurement lets the simulator charge
 an executor that overlaps them anyway, and shows on every new machine what overlapping would cost.
 
 One decode batch (tables in one piece) is timed alone and while a thread swaps scattered blocks

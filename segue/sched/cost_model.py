@@ -77,7 +77,7 @@ class CostModel:
     # Host<->device copy bandwidth and the KV footprint of one token (all layers, K and V).
     swap_bytes_per_s: float = 8e9
     # Whether swaps run beside the forward pass (a GPU's copy engine) or stall the step (a CPU
-    # copies before it: segue/model/kv_cache.py, KVCache.start_swaps).
+    # copies before it: segue/model/kv_tensors.py, KVTensors.start_swaps).
     swaps_overlap_compute: bool = True
     # What a copy beside the forward pass costs (segue/profiler/overlap.py): the forward runs this
     # many times slower while it copies, and the copy moves this many bytes per second (0: at

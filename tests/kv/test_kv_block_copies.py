@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from segue.model.kv_cache import KVCache, block_runs
+from segue.model.kv_tensors import KVTensors, block_runs
 
 
 def test_block_runs_coalesce_consecutive_pairs_in_order() -> None:
@@ -17,9 +17,9 @@ def test_block_runs_coalesce_consecutive_pairs_in_order() -> None:
     assert block_runs([(1, 1), (2, 3), (3, 4), (2, 2)]) == [(1, 1, 1), (2, 3, 2), (2, 2, 1)]
 
 
-def _cache() -> KVCache:
+def _cache() -> KVTensors:
     torch.manual_seed(0)
-    cache = KVCache(num_layers=3, num_kv_heads=2, head_dim=4, block_size=2, num_blocks=12, num_host_blocks=16,
+    cache = KVTensors(num_layers=3, num_kv_heads=2, head_dim=4, block_size=2, num_blocks=12, num_host_blocks=16,
                     device=torch.device("cpu"), dtype=torch.bfloat16)
     for t in (cache.k, cache.v, cache.host_k, cache.host_v):
         t.copy_(torch.randn(t.shape))
@@ -53,7 +53,7 @@ def test_swaps_and_write_backs_move_exactly_the_mapped_blocks() -> None:
 
 
 def test_cpu_swaps_are_done_before_the_forward_pass() -> None:
-    # A CPU copies before the forward pass, not beside it (KVCache.start_swaps): done on return.
+    # A CPU copies before the forward pass, not beside it (KVTensors.start_swaps): done on return.
     cache = _cache()
     want = _expected(cache.k, cache.host_k, [(0, 5), (1, 6), (7, 2)])
     handle = cache.start_swaps([(0, 5), (1, 6), (7, 2)], [])
@@ -71,7 +71,7 @@ def test_cuda_swap_out_and_back_is_bitwise_exact(path: str) -> None:
     torch.manual_seed(0)
     # Tens of MB, queued behind a busy stream: a host read that does not wait would see the copy
     # unfinished.
-    cache = KVCache(num_layers=4, num_kv_heads=8, head_dim=64, block_size=16, num_blocks=512, num_host_blocks=512,
+    cache = KVTensors(num_layers=4, num_kv_heads=8, head_dim=64, block_size=16, num_blocks=512, num_host_blocks=512,
                     device=torch.device("cuda"), dtype=torch.bfloat16)
     cache.k.copy_(torch.randn(cache.k.shape, device="cuda"))
     cache.v.copy_(torch.randn(cache.v.shape, device="cuda"))

@@ -99,7 +99,7 @@ def test_a_copy_that_slows_the_forward_charges_its_slowdown() -> None:
 
 
 def test_a_cpu_profile_stalls_for_every_swap() -> None:
-    # A CPU copies before the forward pass (KVCache.start_swaps), so nothing hides behind it.
+    # A CPU copies before the forward pass (KVTensors.start_swaps), so nothing hides behind it.
     cpu = dataclasses.replace(GPTJ, swaps_overlap_compute=False)
     clock = SimClock()
     ex = SimExecutor(cpu, 100, 100, 16, clock)

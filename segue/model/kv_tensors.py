@@ -2,6 +2,9 @@
 
 Head-major blocks make a gathered set of blocks land as [kv_head, tokens, dim], the shape the
 grouped-query matmuls want, with no transpose copy.
+
+Named KVTensors, not KVCache: `segue/kv/interface.py`'s KVCache is the scheduler's view of the same
+memory (blocks, prefixes, tiers), and this is only where the numbers live.
 """
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import torch
 from segue.model.host_writes import HostWrites
 
 
-class KVCache:
+class KVTensors:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  num_blocks: int, num_host_blocks: int, device: torch.device, dtype: torch.dtype) -> None:
         shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
