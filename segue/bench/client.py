@@ -76,7 +76,7 @@ class ClientResult:
 
 
 @dataclass
-class _Segment:
+class _StreamedSegment:
     content: str
     first_token_time: float | None
     end_time: float
@@ -146,7 +146,7 @@ class OpenAIClient:
                 body["open_session"] = True
         return body
 
-    async def _stream(self, body: dict[str, Any]) -> _Segment:
+    async def _stream(self, body: dict[str, Any]) -> _StreamedSegment:
         content: list[str] = []
         first: float | None = None
         usage: dict[str, Any] = {}
@@ -174,7 +174,7 @@ class OpenAIClient:
         if not usage:
             raise ServerError("the server sent no usage (stream_options.include_usage unsupported?)")
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        return _Segment("".join(content), first, end, int(usage.get("prompt_tokens", 0)),
+        return _StreamedSegment("".join(content), first, end, int(usage.get("prompt_tokens", 0)),
                         int(usage.get("completion_tokens", 0)), session_id, cached)
 
     async def conversation(self, index: int, req: TraceRequest, arrival: float) -> RequestRecord:

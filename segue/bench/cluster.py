@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @dataclass
-class Call:
+class MeasuredCall:
     kind: str  # "chat", "map" or "reduce"
     latency_s: float
     ttft_s: float
@@ -59,7 +59,7 @@ class SetupResult:
     setup: str
     engines: int
     makespan_s: float
-    calls: list[Call] = field(default_factory=list)
+    calls: list[MeasuredCall] = field(default_factory=list)
     programs_s: dict[str, list[float]] = field(default_factory=dict)
     placements: dict[str, int] = field(default_factory=dict)
 
@@ -111,7 +111,8 @@ async def _call(engine: Any, kind: str, prompt: list[int], max_tokens: int, rid:
             replica = engine.owner_of(rid) if hasattr(engine, "owner_of") else 0
     end = time.monotonic()
     assert last is not None  # a request always ends with an output
-    result.calls.append(Call(kind, end - start, (first or end) - start, len(prompt), last.num_cached_tokens, replica))
+    result.calls.append(MeasuredCall(kind, end - start, (first or end) - start, len(prompt), last.num_cached_tokens,
+                                     replica))
     return list(last.outputs[0].token_ids)
 
 

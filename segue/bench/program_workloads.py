@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from segue.program.client import Program, SemanticVariable
+    from segue.program.client import RemoteProgram, RemoteVariable
 
 DEFAULT_DOCUMENT = "/usr/include/lzma/*.h"
 CHAIN = ("Summary of the document so far:\n{{input:summary}}\n\nNext part of the document:\n{{input:chunk}}\n\n"
@@ -166,7 +166,7 @@ def coder_reviewer_program(url: str, task_text: str, rounds: int, n: int, delay:
             outputs = [p.variable(None, name) for _ in range(rounds) for name in ("code", "review")]
             submits = []
             for i, out in enumerate(outputs):
-                previous: SemanticVariable | str = outputs[i - 1] if i else NO_REVIEW
+                previous: RemoteVariable | str = outputs[i - 1] if i else NO_REVIEW
                 template, inputs = (CODER, {"review": previous}) if i % 2 == 0 else (REVIEWER, {"code": previous})
                 submits.append(client.pool.submit(_submit_call, p, template, {"task": task, **inputs}, out, n,
                                                   i == len(outputs) - 1))
@@ -180,14 +180,14 @@ def coder_reviewer_program(url: str, task_text: str, rounds: int, n: int, delay:
             return seconds
 
 
-def _submit_call(p: Program, template: str, inputs: dict[str, SemanticVariable | str], out: SemanticVariable,
+def _submit_call(p: RemoteProgram, template: str, inputs: dict[str, RemoteVariable | str], out: RemoteVariable,
                  n: int, last: bool) -> None:
-    from segue.program.client import SemanticVariable, strip
+    from segue.program.client import RemoteVariable, strip
 
     body: dict[str, Any] = {
         "program_id": p.id, "template": template, "output_variable": out.id, "max_tokens": n,
         "temperature": 0.0, "ignore_eos": True, "transforms": [strip()],
-        "inputs": {k: v.id if isinstance(v, SemanticVariable) else {"value": v} for k, v in inputs.items()}}
+        "inputs": {k: v.id if isinstance(v, RemoteVariable) else {"value": v} for k, v in inputs.items()}}
     if last:
         body["criteria"] = "latency"  # the objective is known at submission, before the get arrives
     p.client.request("POST", "/v1/programs/calls", json=body)

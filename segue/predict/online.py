@@ -37,7 +37,7 @@ TOOL_DURATION = "tool_duration"
 
 
 @dataclass
-class _Segment:
+class _OpenSegment:
     start_generated: int  # the request's generated tokens when the segment began
     prompt_x: np.ndarray
     prompt_pred: float | None
@@ -47,9 +47,9 @@ class _Segment:
 
 
 @dataclass
-class _Track:
+class _LiveRequest:
     """What the predictors remember of one live request."""
-    segment: _Segment | None
+    segment: _OpenSegment | None
     hint_s: float | None  # the client's expected tool duration (wins over statistics)
     last_tool: str | None = None
     interception_pred: float | None = None  # the duration prediction in force when it paused
@@ -73,13 +73,13 @@ class OnlinePredictors:
         # Asking for no request probes whether the executor can return hidden states at all.
         self.use_hidden = (self.enabled and not config.oracle and config.feature_source == "hidden"
                            and executor is not None and bool(executor.want_hidden_states(())))
-        self._tracks: dict[str, _Track] = {}
+        self._tracks: dict[str, _LiveRequest] = {}
 
     # ---- lifecycle hooks (the engine calls these) -----------------------------------------
     def on_arrival(self, request: Request, hint_s: float | None = None) -> None:
         if not self.enabled:
             return
-        track = self._tracks[request.request_id] = _Track(None, hint_s)
+        track = self._tracks[request.request_id] = _LiveRequest(None, hint_s)
         self._begin_segment(request, track, 0)
 
     def request_hidden_states(self, seqs: Iterable[ScheduledSeq]) -> None:
@@ -160,13 +160,13 @@ class OnlinePredictors:
         return len(self._tracks)
 
     # ---- internals ------------------------------------------------------------------------
-    def _remaining(self, request: Request, seg: _Segment) -> int | None:
+    def _remaining(self, request: Request, seg: _OpenSegment) -> int | None:
         # What max_tokens still allows this segment, counted from its start.
         if not self.config.clip_to_max_tokens:
             return None
         return request.sampling_params.max_tokens - seg.start_generated
 
-    def _begin_segment(self, request: Request, track: _Track, num_appended: int) -> None:
+    def _begin_segment(self, request: Request, track: _LiveRequest, num_appended: int) -> None:
         ctx = SegmentContext(
             num_prompt_tokens=request.num_prompt_tokens,
             num_context_tokens=request.num_tokens + num_appended,
@@ -175,7 +175,7 @@ class OnlinePredictors:
             num_generated_tokens=request.num_generated_tokens,
             previous_tool=track.last_tool)
         x = prompt_features(ctx)
-        seg = _Segment(request.num_generated_tokens, x, None, wants_hidden=self.use_hidden)
+        seg = _OpenSegment(request.num_generated_tokens, x, None, wants_hidden=self.use_hidden)
         pred = self.output_prompt.predict(x, self._remaining(request, seg))
         if pred is not None:
             seg.prompt_pred = self.noise.apply(pred)
@@ -184,12 +184,12 @@ class OnlinePredictors:
         # The next pause probably calls the same tool as the last one did.
         self._set_interception(request, track, track.last_tool, track.hint_s)
 
-    def _set_interception(self, request: Request, track: _Track, tool: str | None, hint_s: float | None) -> None:
+    def _set_interception(self, request: Request, track: _LiveRequest, tool: str | None, hint_s: float | None) -> None:
         pred = self.tool_duration.predict(tool, hint_s if hint_s is not None else track.hint_s)
         track.interception_pred = self.noise.apply(pred) if pred is not None else None
         request.predicted_interception_s = track.interception_pred
 
-    def _end_segment(self, request: Request, track: _Track) -> None:
+    def _end_segment(self, request: Request, track: _LiveRequest) -> None:
         seg = track.segment
         if seg is None:
             return

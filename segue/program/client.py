@@ -29,7 +29,7 @@ import httpx
 
 from segue.program.template import Template
 
-_current: contextvars.ContextVar["Program | None"] = contextvars.ContextVar("segue_program", default=None)
+_current: contextvars.ContextVar["RemoteProgram | None"] = contextvars.ContextVar("segue_program", default=None)
 
 
 class ProgramAPIError(RuntimeError):
@@ -80,8 +80,8 @@ class Client:
             raise ProgramAPIError(response.status_code, err.get("message", ""), err.get("code"))
         return response.json()
 
-    def program(self) -> "Program":
-        return Program(self)
+    def program(self) -> "RemoteProgram":
+        return RemoteProgram(self)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -94,21 +94,22 @@ class Client:
         self.close()
 
 
-class Program:
-    """One program (a server-side session). As a context manager it is the default program of
-    semantic functions called inside it, and it is deleted on exit."""
+class RemoteProgram:
+    """The client's handle of one program (a server-side session: segue/program/state.py's Program).
+    As a context manager it is the default program of semantic functions called inside it, and it
+    is deleted on exit."""
 
     def __init__(self, client: Client) -> None:
         self.client = client
         self.id: str = client.request("POST", "/v1/programs", json={})["id"]
         self._token: contextvars.Token | None = None
 
-    def variable(self, value: str | None = None, name: str = "var") -> "SemanticVariable":
+    def variable(self, value: str | None = None, name: str = "var") -> "RemoteVariable":
         """A variable set by the client (or left empty, to set later)."""
         body: dict[str, Any] = {"program_id": self.id, "name": name}
         if value is not None:
             body["value"] = value
-        var = SemanticVariable(self, name)
+        var = RemoteVariable(self, name)
         var._bind(self.client.pool.submit(lambda: self.client.request("POST", "/v1/programs/variables",
                                                                       json=body)["id"]))
         return var
@@ -119,7 +120,7 @@ class Program:
     def info(self) -> dict[str, Any]:
         return self.client.request("GET", f"/v1/programs/{self.id}")
 
-    def __enter__(self) -> "Program":
+    def __enter__(self) -> "RemoteProgram":
         self._token = _current.set(self)
         return self
 
@@ -129,10 +130,10 @@ class Program:
         self.delete()
 
 
-class SemanticVariable:
-    """A future of a server-side variable."""
+class RemoteVariable:
+    """A future of a server-side variable (segue/program/variables.py's SemanticVariable)."""
 
-    def __init__(self, program: Program, name: str) -> None:
+    def __init__(self, program: RemoteProgram, name: str) -> None:
         self.program, self.name = program, name
         self._id: cf.Future[str] | None = None
         self._bound = threading.Event()
@@ -170,11 +171,11 @@ class SemanticVariable:
 def semantic_function(template: str | None = None, *, max_tokens: int | None = None, temperature: float = 0.0,
                       stop: list[str] | None = None, transforms: list[dict[str, Any]] | None = None,
                       criteria: str | None = None,
-                      **sampling: Any) -> Callable[[Callable[..., Any]], Callable[..., SemanticVariable]]:
+                      **sampling: Any) -> Callable[[Callable[..., Any]], Callable[..., RemoteVariable]]:
     """Turn a function whose docstring (or `template`) is a prompt template into a semantic
     function: its parameters are the template's inputs; calling it returns the output variable."""
 
-    def decorate(fn: Callable[..., Any]) -> Callable[..., SemanticVariable]:
+    def decorate(fn: Callable[..., Any]) -> Callable[..., RemoteVariable]:
         source = template if template is not None else inspect.cleandoc(fn.__doc__ or "")
         parsed = Template.parse(source)
         signature = inspect.signature(fn)
@@ -188,19 +189,19 @@ def semantic_function(template: str | None = None, *, max_tokens: int | None = N
                    "transforms": transforms or [], **sampling}
         options = {k: v for k, v in options.items() if v is not None}
 
-        def call(*args: Any, **kwargs: Any) -> SemanticVariable:
+        def call(*args: Any, **kwargs: Any) -> RemoteVariable:
             bound = signature.bind(*args, **kwargs)
             values = {k: v for k, v in bound.arguments.items() if k != var_kw}
             values.update(bound.arguments.get(var_kw, {}) if var_kw else {})
-            program = next((v.program for v in values.values() if isinstance(v, SemanticVariable)), None)
+            program = next((v.program for v in values.values() if isinstance(v, RemoteVariable)), None)
             program = program or _current.get()
             if program is None:
-                raise RuntimeError(f"{fn.__name__}: pass a SemanticVariable or call it inside `with client.program()`")
-            out = SemanticVariable(program, parsed.output_name)
+                raise RuntimeError(f"{fn.__name__}: pass a RemoteVariable or call it inside `with client.program()`")
+            out = RemoteVariable(program, parsed.output_name)
 
             def submit() -> str:
                 # Plain values travel inline with the call; variables by id, once they have one.
-                inputs = {k: v.id if isinstance(v, SemanticVariable) else {"value": str(v)} for k, v in values.items()}
+                inputs = {k: v.id if isinstance(v, RemoteVariable) else {"value": str(v)} for k, v in values.items()}
                 body = {"program_id": program.id, "template": source, "inputs": inputs, **options}
                 return program.client.request("POST", "/v1/programs/calls", json=body)["output"]["id"]
             out._bind(program.client.pool.submit(submit))
