@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         "sampling": ms(lambda k: k[2] == "sample" and k[0].endswith("sampler.py"), cumulative=True),
         "scheduler": ms(lambda k: k[2] in ("schedule", "update_from_output") and "scheduler" in k[0], cumulative=True),
         "detokenizer + outputs": ms(lambda k: k[2] in ("append", "make_output") and
-                                    ("detokenizer" in k[0] or "request_state" in k[0]), cumulative=True),
+                                    ("detokenizer" in k[0] or "request_text" in k[0]), cumulative=True),
     }
     rows["other Python"] = max(0.0, wall - sum(rows.values()))
     ex = cast(ModelExecutor, engine.executor)  # LLMEngine(config) builds the model's executor

@@ -4,7 +4,7 @@ One step (step()) is five phases: what hooks have due (a driver's resumes), sche
 let the scheduler take the sampled tokens and say what happened to each request, and relay that
 through the output processing (engine/output_processor.py: detokenize, logprobs, stop strings,
 tool-call pauses, timings), which also says who owns which decision about a token. An LLMEngine
-has its requests (EngineRequests, engine/requests.py: what callers do to requests between steps,
+has its requests (EngineRequests, engine/request_lifecycle.py: what callers do to requests between steps,
 add, intercept, resume, abort, hints) and forwards those public methods to it; making a request
 from a prompt, safe from any thread, is RequestFactory's (engine/request_factory.py). Trace
 replay and oracle predictions are not here: the simulator plugs them in as StepHooks
@@ -25,8 +25,8 @@ from segue.engine.model_info import ModelInfo
 from segue.engine.output_processor import OutputProcessor
 from segue.engine.reports import engine_stats, load_report
 from segue.engine.request_factory import RequestFactory
-from segue.engine.request_state import RequestState
-from segue.engine.requests import EngineRequests
+from segue.engine.request_lifecycle import EngineRequests
+from segue.engine.request_text import RequestState
 from segue.engine.scheduler_builder import build_scheduler
 from segue.engine.stats import EngineStats, LoadReport
 from segue.executor.base import Executor
@@ -48,7 +48,7 @@ _R = TypeVar("_R")
 
 def _to_requests(method: Callable[Concatenate[EngineRequests, _P], _R]) -> Callable[Concatenate[LLMEngine, _P], _R]:
     """An LLMEngine method that is its EngineRequests' `method`: same signature and docstring,
-    written once (in engine/requests.py)."""
+    written once (in engine/request_lifecycle.py)."""
     @functools.wraps(method)
     def forward(self: LLMEngine, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         return method(self.requests, *args, **kwargs)
@@ -95,7 +95,7 @@ class LLMEngine:
         self.requests = EngineRequests(self.factory, scheduler, predictors, tool_stats, max_model_len)
         self.output = OutputProcessor(self.requests)
 
-    # ---- what callers do to requests between steps: EngineRequests' (engine/requests.py) --
+    # ---- what callers do to requests between steps: EngineRequests' (engine/request_lifecycle.py) --
     add_prepared = _to_requests(EngineRequests.add_prepared)
     add_request = _to_requests(EngineRequests.add_request)
     intercept = _to_requests(EngineRequests.intercept)

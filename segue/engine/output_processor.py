@@ -9,7 +9,7 @@ Who decides what about a request's token (one owner each):
 - a stop string, and a complete tool call in the detokenized text: OutputProcessor, here; a
   driver's scripted pause (StepHooks.after_token) comes before the tool-call check;
 - carrying such a decision out, with one scheduler call to pause or stop and the predictors
-  told of the pause or end: EngineRequests (engine/requests.py: intercept, stop, retire);
+  told of the pause or end: EngineRequests (engine/request_lifecycle.py: intercept, stop, retire);
 - where a paused request's KV lives meanwhile: the scheduler's interception policy
   (segue/sched/interception/).
 Besides: the per-request timings (first scheduled, first token, finished) and logprobs, as
@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 from segue.engine.detokenizer import IncrementalDetokenizer
-from segue.engine.request_state import RequestState
-from segue.engine.requests import EngineRequests
+from segue.engine.request_lifecycle import EngineRequests
+from segue.engine.request_text import RequestState
 from segue.outputs import RequestOutput, TokenLogprob
 from segue.sched.output import SchedulerOutput
 from segue.sched.request_update import Outcome, RequestUpdate

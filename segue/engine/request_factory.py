@@ -17,7 +17,7 @@ from typing import Any
 from segue.engine.detokenizer import IncrementalDetokenizer
 from segue.engine.engine_request import EngineRequest
 from segue.engine.input_processor import InputProcessor
-from segue.engine.request_state import RequestState
+from segue.engine.request_text import RequestState
 from segue.outputs import RequestMetrics
 from segue.request import Request
 from segue.sampling_params import SamplingParams

@@ -37,7 +37,7 @@ from segue.server.auto_continue import auto_eligible
 from segue.server.chat_tools import ToolSetup
 from segue.server.context import ServingContext
 from segue.server.limits import Deadline
-from segue.server.protocol import ChatCompletionRequest, choice_seed, random_id
+from segue.server.request_bodies import ChatCompletionRequest, choice_seed, random_id
 from segue.server.sessions import HeldRequest, Session
 from segue.server.streaming import prepend, unless_disconnected
 from segue.server.templating import normalize

@@ -7,7 +7,7 @@ disconnects right after receiving its tool calls still finds its session.
 
 With `n` > 1 every choice is its own ChatTurn (its own engine request and server-side tool
 rounds); their events are merged into one response, each chunk tagged with its choice's index.
-Sessions and client-side tools take one choice only (protocol.py).
+Sessions and client-side tools take one choice only (request_bodies.py).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from segue.server.context import ServingContext, serving
 from segue.server.errors import APIError, error_json, to_api_error
 from segue.server.limits import Deadline, Slot
 from segue.server.openapi import json_body
-from segue.server.protocol import ChatCompletionRequest, ChatMessage, ToolCallIn, random_id
+from segue.server.request_bodies import ChatCompletionRequest, ChatMessage, ToolCallIn, random_id
 from segue.server.sessions import Session
 from segue.server.streaming import SSEResponse, gather_all, merge_streams, sse, unless_disconnected
 from segue.server.templating import normalize

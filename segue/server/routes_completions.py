@@ -19,7 +19,7 @@ from segue.server.context import ServingContext, serving
 from segue.server.errors import error_json, to_api_error
 from segue.server.limits import Deadline, Slot
 from segue.server.openapi import json_body
-from segue.server.protocol import CompletionRequest, choice_seed, random_id
+from segue.server.request_bodies import CompletionRequest, choice_seed, random_id
 from segue.server.streaming import (
     Prepended,
     SSEResponse,

@@ -15,7 +15,9 @@ from starlette.responses import JSONResponse
 
 from segue.engine.engine_request import RequestHints
 from segue.program.executor import ProgramExecutor
-from segue.program.protocol import (
+from segue.program.state import ProgramError
+from segue.program.variables import Criteria
+from segue.program.wire import (
     CallCreate,
     ProgramCreate,
     VariableCreate,
@@ -24,8 +26,6 @@ from segue.program.protocol import (
     program_json,
     variable_json,
 )
-from segue.program.state import ProgramError
-from segue.program.variables import Criteria
 from segue.server.auth import cache_salt, tenant_of
 from segue.server.context import serving
 from segue.server.errors import APIError

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jinja2
 
 from segue.server.errors import APIError
-from segue.server.protocol import ChatMessage
+from segue.server.request_bodies import ChatMessage
 
 _PROBE_TOOL = {"type": "function", "function": {"name": "segue_probe_tool", "description": "probe",
                                                  "parameters": {"type": "object", "properties": {}}}}

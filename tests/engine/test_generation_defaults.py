@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from segue.engine.generation_defaults import DEFAULT_MODEL_SAMPLING, generation_defaults
-from segue.server.protocol import CompletionRequest
+from segue.server.request_bodies import CompletionRequest
 
 
 def test_sources(tmp_path: pathlib.Path) -> None:

@@ -35,7 +35,7 @@ from segue.engine.llm_engine import LLMEngine
 from segue.sampling_params import SamplingParams
 from segue.server.app import create_app
 from segue.server.config import ServerConfig
-from segue.server.protocol import ChatCompletionRequest, CompletionRequest
+from segue.server.request_bodies import ChatCompletionRequest, CompletionRequest
 from segue.sim.script import scripted
 from segue.sim.trace import TraceSegment
 from soak import server as soak_server

@@ -9,7 +9,7 @@ import pytest
 from conftest import default_tokenizer
 from segue.program.registry import scoped_program_id
 from segue.server.errors import APIError
-from segue.server.protocol import ChatMessage
+from segue.server.request_bodies import ChatMessage
 from segue.server.sessions import HeldRequest, SessionStore
 from segue.server.templating import ChatRenderer
 

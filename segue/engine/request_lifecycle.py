@@ -20,7 +20,7 @@ from segue.engine.detokenizer import IncrementalDetokenizer
 from segue.engine.engine_request import EngineRequest
 from segue.engine.hooks import StepHooks
 from segue.engine.request_factory import RequestFactory
-from segue.engine.request_state import RequestState
+from segue.engine.request_text import RequestState
 from segue.outputs import RequestOutput
 from segue.predict import OnlinePredictors
 from segue.request import Request, RequestStatus
