@@ -13,9 +13,9 @@ from unittest import mock
 
 import torch
 
+from segue.arith import cdiv
 from segue.config import CacheConfig, ModelLoadConfig
 from segue.executor.kernel_plan import KernelPlan
-from segue.kv.interface import cdiv
 from segue.model.attention import AttentionMetadata, PrefillChunk
 from segue.model.checkpoint import LoadedCheckpoint
 from segue.model.kv_tensors import KVTensors

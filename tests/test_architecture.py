@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lowest first. A module may import its own layer and the ones before it, never a later one.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("segue.sampling_params", "segue.outputs", "segue.request", "segue.config", "segue.tools",
-                    "segue.structured.spec")),
+    ("foundation", ("segue.arith", "segue.sampling_params", "segue.outputs", "segue.request", "segue.config",
+                    "segue.tools", "segue.structured.spec")),
     ("structured", ("segue.structured",)),
     ("kv", ("segue.kv",)),
     ("sched", ("segue.sched",)),
@@ -366,4 +366,4 @@ def test_top_of_the_package_holds_only_shared_vocabulary():
     # Everything else lives in the package of its layer (engine/, sched/, kv/, ...), so the tree
     # shows the layers.
     top = sorted(p.stem for p in (ROOT / "segue").glob("*.py"))
-    assert top == ["__init__", "cli", "config", "outputs", "request", "sampling_params"]
+    assert top == ["__init__", "arith", "cli", "config", "outputs", "request", "sampling_params"]

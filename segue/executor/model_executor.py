@@ -8,10 +8,10 @@ from types import ModuleType
 
 import torch
 
+from segue.arith import cdiv
 from segue.config import CacheConfig, ConfigError
 from segue.executor.base import Executor, SampledToken
 from segue.executor.kernel_plan import DTYPES, KernelPlan
-from segue.kv.interface import cdiv
 from segue.model.attention import AttentionMetadata, PrefillChunk
 from segue.model.attention_backends import AttentionBackend, AttentionKind, causal_mask
 from segue.model.attention_table import AttentionPlan, plan_attention

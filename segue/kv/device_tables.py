@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+from segue.arith import cdiv
 from segue.kv.block_pool import BlockPool, KVBlock, num_private_tail, release_keys
 from segue.kv.hashing import BlockHasher
-from segue.kv.interface import PrefixHit, RetainedContext, cdiv
+from segue.kv.interface import PrefixHit, RetainedContext
 from segue.request import Request
 
 

@@ -28,10 +28,6 @@ from segue.request import Request
 Copies = list[tuple[int, int]]
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclass(frozen=True, eq=False)
 class PrefixHit:
     """A request's cached prefix (KVCache.match, match_host): opaque to the scheduler, which

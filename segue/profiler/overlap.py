@@ -21,8 +21,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from segue.arith import cdiv
 from segue.engine.llm_engine import LLMEngine
-from segue.kv.interface import cdiv
 from segue.profiler.scatter import decode_batch, decode_context, one_piece
 
 

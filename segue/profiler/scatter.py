@@ -18,8 +18,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from segue.arith import cdiv
 from segue.engine.llm_engine import LLMEngine
-from segue.kv.interface import cdiv
 from segue.request import Request
 from segue.sampling_params import SamplingParams
 from segue.sched.cost_model import scattered_blocks

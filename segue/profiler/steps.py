@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from segue.arith import cdiv
 from segue.engine.engine_request import EngineRequest
 from segue.engine.llm_engine import LLMEngine
 from segue.executor.step_fit import StepFit, StepPoint, fit_steps
-from segue.kv.interface import cdiv
 from segue.profiler.overlap import OverlapProfile, measure_swap_overlap
 from segue.profiler.scatter import ScatterProfile, measure_scatter
 from segue.sampling_params import SamplingParams

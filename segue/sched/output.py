@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from segue.kv.interface import cdiv
+from segue.arith import cdiv
 from segue.request import Request
 from segue.sched.cost_model import attended_pairs, scattered_blocks
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from segue.kv.interface import cdiv
+from segue.arith import cdiv
 from segue.kv.manager import KVCacheManager
 from segue.kv.reuse import ReuseTracker
 from segue.request import Request
