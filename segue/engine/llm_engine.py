@@ -21,6 +21,7 @@ from segue.engine.engine_request import EngineRequest
 from segue.engine.generation_defaults import generation_defaults
 from segue.engine.hooks import StepHooks
 from segue.engine.input_processor import InputProcessor
+from segue.engine.memory_waste import WasteMeter
 from segue.engine.model_info import ModelInfo
 from segue.engine.output_processor import OutputProcessor
 from segue.engine.reports import engine_stats, load_report
@@ -37,7 +38,6 @@ from segue.sampling_params import SamplingParams
 from segue.sched.output import SchedulerOutput
 from segue.sched.request_update import RequestUpdate
 from segue.sched.step_charge import step_seconds
-from segue.sched.waste import WasteMeter
 from segue.tools.stats import DurationStats
 
 logger = logging.getLogger(__name__)

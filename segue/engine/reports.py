@@ -3,10 +3,10 @@ the load report a router reads, both read off the scheduler's state (Scheduler.s
 engine's side of EngineClient.get_stats, so that nothing above the engine reads the scheduler."""
 from __future__ import annotations
 
+from segue.engine.memory_waste import WasteMeter
 from segue.engine.stats import EngineStats, LoadReport, PausedKV
 from segue.predict import OnlinePredictors
 from segue.sched.state import SchedulerState
-from segue.sched.waste import WasteMeter
 from segue.tools.stats import DurationStats
 
 

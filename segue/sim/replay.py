@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from segue.engine.engine_request import EngineRequest
+from segue.engine.memory_waste import WasteTotals
 from segue.sampling_params import SamplingParams
-from segue.sched.waste import WasteTotals
 from segue.sim.metrics import RequestRecord, summarize
 from segue.sim.script import scripted
 from segue.sim.workloads.trace_request import TraceRequest

@@ -1,5 +1,8 @@
 """Memory-waste accounting (InferCept's metric): device KV that produces no token, in GB*s,
-split by cause. Measured every step from what actually happened, not from the equations."""
+split by cause. Measured every step from what actually happened, not from the equations.
+
+The engine records it after each step (it knows the step's time and copies); the scheduler never
+reads it, which is why it lives here and not in sched/."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
