@@ -205,6 +205,22 @@ def test_server_talks_to_the_engine_only_through_engine_client():
                      "or the module to SERVER_MAY_IMPORT if it is plain data):\n" + "\n".join(bad))
 
 
+# Heavy libraries the seam must not load: a client of the engine (the server's worker, a program
+# client, a test) imports its vocabulary without paying for the model or the predictors.
+SEAM_MUST_NOT_LOAD = ("numpy", "torch")
+
+
+def test_the_seam_imports_without_numpy_or_torch():
+    import subprocess
+    import sys
+
+    seam = dict(LAYERS)["client"]
+    probe = (f"import importlib, sys\nfor m in {seam!r}: importlib.import_module(m)\n"
+             f"print(sorted(m for m in {SEAM_MUST_NOT_LOAD!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"importing the seam {seam} loads {out.stdout.strip()}"
+
+
 def engine_imports_of_simulation(graph: dict[str, set[str]]) -> list[str]:
     """The engine's step loop serves requests; trace replay and oracle predictions belong to the
     simulator (segue/sim), which drives the engine through its public methods and hooks."""

@@ -33,7 +33,7 @@ from segue.engine.stats import EngineStats, LoadReport
 from segue.executor.base import Executor
 from segue.executor.loading import engine_cost_model, load_model
 from segue.outputs import RequestOutput
-from segue.predict import OnlinePredictors
+from segue.predict.online import OnlinePredictors
 from segue.sampling_params import SamplingParams
 from segue.sched.output import SchedulerOutput
 from segue.sched.request_update import RequestUpdate

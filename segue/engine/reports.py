@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from segue.engine.memory_waste import WasteMeter
 from segue.engine.stats import EngineStats, LoadReport, PausedKV
-from segue.predict import OnlinePredictors
+from segue.predict.online import OnlinePredictors
 from segue.sched.state import SchedulerState
 from segue.tools.stats import DurationStats
 

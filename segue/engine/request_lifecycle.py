@@ -22,7 +22,7 @@ from segue.engine.hooks import StepHooks
 from segue.engine.request_factory import RequestFactory
 from segue.engine.request_text import RequestState
 from segue.outputs import RequestOutput
-from segue.predict import OnlinePredictors
+from segue.predict.online import OnlinePredictors
 from segue.request import Request, RequestStatus
 from segue.sampling_params import InvalidRequestError, SamplingParams
 from segue.sched.scheduler import Scheduler

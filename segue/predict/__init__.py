@@ -1,14 +1,9 @@
 """Online predictors learned from the server's own traffic: output lengths (prompt features or the
 served model's hidden state, TRAIL-style) and tool durations (per-tool running quantiles), each
-with its accuracy (MAE, Acc-5, Acc-15 as in LAMPS) and a noise-injection knob. Pure Python + numpy."""
-from segue.predict.accuracy import AccuracySnapshot, AccuracyTracker
-from segue.predict.features import RandomProjection, SegmentContext, prompt_features
-from segue.predict.noise import GaussianNoise
-from segue.predict.online import OUTPUT_HIDDEN, OUTPUT_PROMPT, TOOL_DURATION, OnlinePredictors
-from segue.predict.output_length import OutputLengthPredictor
-from segue.predict.regressor import OnlineRidge
-from segue.predict.tool_duration import ToolDurationPredictor
+with its accuracy (MAE, Acc-5, Acc-15 as in LAMPS) and a noise-injection knob. Pure Python + numpy.
 
-__all__ = ["AccuracySnapshot", "AccuracyTracker", "GaussianNoise", "OUTPUT_HIDDEN", "OUTPUT_PROMPT",
-           "OnlinePredictors", "OnlineRidge", "OutputLengthPredictor", "RandomProjection", "SegmentContext",
-           "TOOL_DURATION", "ToolDurationPredictor", "prompt_features"]
+`online.py` holds OnlinePredictors, the set an engine has; `accuracy.py` the scores (its
+AccuracySnapshot crosses the engine's seam in EngineStats), `output_length.py`, `tool_duration.py`,
+`regressor.py`, `features.py` and `noise.py` the parts. Nothing is imported here: the seam imports
+`accuracy.py` alone, and importing this package must not load numpy for it.
+"""

@@ -17,17 +17,12 @@ from engine_helpers import run_to_completion
 from segue.config import CacheConfig, ConfigError, EngineConfig, ModelLoadConfig, PredictorConfig, SchedulerConfig
 from segue.engine.engine_request import EngineRequest
 from segue.engine.llm_engine import LLMEngine
-from segue.predict import (
-    OUTPUT_HIDDEN,
-    OUTPUT_PROMPT,
-    TOOL_DURATION,
-    AccuracyTracker,
-    GaussianNoise,
-    OnlinePredictors,
-    OnlineRidge,
-    OutputLengthPredictor,
-    ToolDurationPredictor,
-)
+from segue.predict.accuracy import AccuracyTracker
+from segue.predict.noise import GaussianNoise
+from segue.predict.online import OUTPUT_HIDDEN, OUTPUT_PROMPT, TOOL_DURATION, OnlinePredictors
+from segue.predict.output_length import OutputLengthPredictor
+from segue.predict.regressor import OnlineRidge
+from segue.predict.tool_duration import ToolDurationPredictor
 from segue.request import Interception, Request
 from segue.sampling_params import SamplingParams
 from segue.sim.script import scripted
