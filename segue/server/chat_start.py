@@ -41,7 +41,7 @@ from segue.server.request_bodies import ChatCompletionRequest, choice_seed, rand
 from segue.server.sessions import HeldRequest, Session
 from segue.server.streaming import prepend, unless_disconnected
 from segue.server.templating import normalize
-from segue.server.tool_loop import ChatTurn
+from segue.server.tool_loop import ChatTurn, TurnStart, TurnStream
 from segue.tools.call_format import HERMES
 from segue.tools.parser import ToolCallParser
 
@@ -68,12 +68,13 @@ async def continue_held(ctx: ServingContext, request: Request, body: ChatComplet
     """The continued turn, or None when the held request cannot be continued (caller aborts it)."""
     n = len(session.transcript)
     history = [normalize(m) for m in body.messages]
-    if len(history) <= n or history[:n] != session.transcript or setup.tools != held.tools:
+    if len(history) <= n or history[:n] != session.transcript or setup.tools != held.conversation.tools:
         return None
     if await ctx.engine.held_token_ids(held.request_id) != held.token_ids:
         return None
-    new_messages = held.server_results + ctx.renderer.template_messages(body.messages[n:])
-    context = held.context + [{"role": "assistant", "content": held.segment}] + new_messages
+    held_conv = held.conversation
+    new_messages = held_conv.server_results + ctx.renderer.template_messages(body.messages[n:])
+    context = held_conv.context + [{"role": "assistant", "content": held_conv.segment}] + new_messages
     keep: int | None = None
     if held.rerender:
         def render() -> list[int]:
@@ -82,7 +83,8 @@ async def continue_held(ctx: ServingContext, request: Request, body: ChatComplet
         keep = common_prefix_len(held.token_ids, fresh)
         suffix = fresh[keep:]
     else:
-        text = await ctx.in_thread(ctx.renderer.continuation, held.context, held.segment, new_messages, setup.tools)
+        text = await ctx.in_thread(ctx.renderer.continuation, held_conv.context, held_conv.segment, new_messages,
+                                   setup.tools)
         if not text.startswith(held.end_text):
             return None
         suffix = await ctx.tokenize(text[len(held.end_text):])
@@ -100,9 +102,8 @@ async def continue_held(ctx: ServingContext, request: Request, body: ChatComplet
     except InvalidRequestError:  # no longer paused, the new messages overflow the context, or
         await gen.aclose()        # the kept prefix is shorter than the request's prompt
         return None
-    return ChatTurn(ctx, held.request_id, prepend(first, gen), setup, held.parser, context, deadline,
-                    text_start=held.text_len, gen_start=held.num_generated,
-                    cached_tokens=kept, expected_tool_seconds=body.expected_tool_seconds)
+    return ChatTurn(ctx, TurnStream(held.request_id, prepend(first, gen), held.parser), setup, context, deadline,
+                    TurnStart(held.output, cached_tokens=kept), expected_tool_seconds=body.expected_tool_seconds)
 
 
 async def start_fresh(ctx: ServingContext, request: Request, body: ChatCompletionRequest, setup: ToolSetup,
@@ -133,9 +134,9 @@ async def start_fresh(ctx: ServingContext, request: Request, body: ChatCompletio
     if session is not None:
         session.active_request_id = rid
     first = await _first(request, deadline, gen)
-    return ChatTurn(ctx, rid, prepend(first, gen), setup, parser, messages, deadline,
-                    cached_tokens=first.num_cached_tokens, expected_tool_seconds=body.expected_tool_seconds,
-                    prompt_tokens=len(prompt_ids))
+    start = TurnStart(cached_tokens=first.num_cached_tokens, prompt_tokens=len(prompt_ids))
+    return ChatTurn(ctx, TurnStream(rid, prepend(first, gen), parser), setup, messages, deadline, start,
+                    expected_tool_seconds=body.expected_tool_seconds)
 
 
 async def start_turn(ctx: ServingContext, request: Request, body: ChatCompletionRequest, setup: ToolSetup,

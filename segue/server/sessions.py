@@ -34,24 +34,38 @@ from segue.tools.parser import ToolCallParser
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class OutputMark:
+    """How far a request's output had got when its turn began or paused: the next turn's new text
+    and tokens are counted from here (zero for a fresh request)."""
+    text_len: int = 0
+    num_generated: int = 0
+
+
+@dataclass(frozen=True)
+class HeldConversation:
+    """What the model holds of the conversation at a pause, to render the next turn's messages after."""
+    # Internal conversation before `segment` (injected tool messages included).
+    context: list[dict[str, Any]]
+    # Assistant text generated since the last resume (with any prefilled call start).
+    segment: str
+    # The tools the conversation was rendered with: a next turn with other tools starts fresh.
+    tools: list[dict[str, Any]]
+    # Results of server-side calls made in the same pause, appended before the client's.
+    server_results: list[dict[str, Any]] = field(default_factory=list)
+
+
 @dataclass
 class HeldRequest:
     """A paused engine request and what is needed to continue it."""
     request_id: str
     # Token ids the engine holds for it (prompt + output), to verify it before continuing.
     token_ids: list[int]
-    # Internal conversation before `segment` (injected tool messages included).
-    context: list[dict[str, Any]]
-    # Assistant text generated since the last resume (with any prefilled call start).
-    segment: str
-    # len(output text) at the pause: where the next turn's new text starts.
-    text_len: int
-    num_generated: int
-    # Results of server-side calls made in the same pause, appended before the client's.
-    server_results: list[dict[str, Any]]
+    conversation: HeldConversation
+    # Where the output stood at the pause: where the next turn's new text and tokens start.
+    output: OutputMark
     # The turn's parser (of the request's tool-call format), for splitting the next turn's text.
     parser: ToolCallParser | None
-    tools: list[dict[str, Any]]
     # Text of the token held after `segment` when the turn paused at its stop (the end-of-turn
     # token): the next turn's rendered continuation starts with it, and it is not appended again.
     end_text: str = ""

@@ -26,7 +26,7 @@ from segue.server.chat_tools import ToolSetup
 from segue.server.errors import APIError
 from segue.server.limits import Deadline
 from segue.server.responses import Usage
-from segue.server.sessions import HeldRequest
+from segue.server.sessions import HeldConversation, HeldRequest, OutputMark
 from segue.server.streaming import Prepended, checked
 from segue.server.structured_formats import report_violation, schema_violation
 from segue.tools.parser import ToolCallParser
@@ -54,32 +54,47 @@ class TurnEnd:
     schema_violation: str | None = None
 
 
+@dataclass(frozen=True)
+class TurnStream:
+    """The engine request a turn drives: its id, its outputs, and how to split their text."""
+    request_id: str
+    outputs: Prepended
+    # Of the format the engine was given (EngineRequest.tool_format). The engine finds and parses
+    # the calls (CompletionOutput.tool_calls, read in _on_pause); this one only splits the
+    # streamed text, which the engine returns whole, into content and call markup.
+    parser: ToolCallParser | None
+
+
+@dataclass(frozen=True)
+class TurnStart:
+    """Where a turn starts: its new text, tokens and usage are counted from here."""
+    # A continued request's output at its pause (HeldRequest.output); zero for a fresh one.
+    output: OutputMark = OutputMark()
+    cached_tokens: int = 0
+    # Length of a fresh turn's prompt (0 for a continued one), to count a shared prompt once.
+    prompt_tokens: int = 0
+
+
 class ChatTurn:
     """Drives one engine request (new or continued) for one HTTP response."""
 
-    def __init__(self, ctx: "ServingContext", request_id: str, outputs: Prepended,
-                 setup: ToolSetup, parser: ToolCallParser | None, context: list[dict[str, Any]],
-                 deadline: Deadline, *, text_start: int = 0, gen_start: int = 0,
-                 cached_tokens: int = 0, expected_tool_seconds: float | None = None,
-                 prompt_tokens: int = 0) -> None:
+    def __init__(self, ctx: "ServingContext", stream: TurnStream, setup: ToolSetup, context: list[dict[str, Any]],
+                 deadline: Deadline, start: TurnStart = TurnStart(), *,
+                 expected_tool_seconds: float | None = None) -> None:
         self.ctx = ctx
-        self.request_id = request_id
-        self.outputs = outputs
+        self.request_id = stream.request_id
+        self.outputs = stream.outputs
         self.setup = setup
-        # Of the format the engine was given (EngineRequest.tool_format). The engine finds and parses
-        # the calls (CompletionOutput.tool_calls, read in _on_pause); this one only splits the
-        # streamed text, which the engine returns whole, into content and call markup.
-        self.parser = parser
+        self.parser = stream.parser
         self.context = context
         self.deadline = deadline
-        self.text_start = text_start
-        self.gen_start = gen_start
-        self.cached_tokens = cached_tokens
-        # Length of a fresh turn's prompt (0 for a continued one), to count a shared prompt once.
-        self.prompt_tokens = prompt_tokens
+        self.text_start = start.output.text_len
+        self.gen_start = start.output.num_generated
+        self.cached_tokens = start.cached_tokens
+        self.prompt_tokens = start.prompt_tokens
         self.expected_tool_seconds = expected_tool_seconds
         self.emitted = 0  # characters of the current segment already handled
-        self.sent_logprobs = gen_start
+        self.sent_logprobs = self.gen_start
         self.rounds = 0
         self.tool_seconds = 0.0
         self.first_token_at: float | None = None
@@ -174,12 +189,18 @@ class ChatTurn:
             if self.ctx.renderer.ends_turn_with(last):
                 end_text = last
         self.ctx.engine.detach(self.request_id)
-        end.held = HeldRequest(self.request_id, list(out.prompt_token_ids) + list(c.token_ids), self.context,
-                               self._segment(c), len(c.text), c.num_generated_tokens, [], self.parser,
-                               self.setup.tools, end_text=end_text, rerender=not end_text)
+        end.held = self._held(out, c, [], end_text=end_text, rerender=not end_text)
         if self.expected_tool_seconds is not None:  # here: how long the human (or client) takes
             await self.ctx.engine.expect_resume(self.request_id, self.expected_tool_seconds)
         return end
+
+    def _held(self, out: RequestOutput, c: CompletionOutput, server_results: list[dict[str, Any]],
+              end_text: str = "", rerender: bool = False) -> HeldRequest:
+        """The paused request as a session keeps it (the engine request is detached by then)."""
+        conversation = HeldConversation(self.context, self._segment(c), self.setup.tools, server_results)
+        return HeldRequest(self.request_id, list(out.prompt_token_ids) + list(c.token_ids), conversation,
+                           OutputMark(len(c.text), c.num_generated_tokens), self.parser,
+                           end_text=end_text, rerender=rerender)
 
     async def _on_pause(self, out: RequestOutput, c: CompletionOutput) -> TurnEnd | None:
         calls = [self.setup.check_arguments(call) for call in c.tool_calls or []]
@@ -202,8 +223,7 @@ class ChatTurn:
             for call in client_calls:
                 self.ctx.metrics.count_tool_call(call.name, "client", False)
             self.ctx.engine.detach(self.request_id)
-            held = HeldRequest(self.request_id, list(out.prompt_token_ids) + list(c.token_ids), self.context,
-                               segment, len(c.text), c.num_generated_tokens, results, self.parser, self.setup.tools)
+            held = self._held(out, c, results)
             if self.expected_tool_seconds is not None:
                 await self.ctx.engine.expect_resume(self.request_id, self.expected_tool_seconds)
             return self._end(out, "tool_calls", client_calls, held)

@@ -14,7 +14,7 @@ from segue.engine.async_engine import AsyncLLMEngine
 from segue.server.app import create_app
 from segue.server.auto_continue import AutoContinuation
 from segue.server.config import ServerConfig
-from segue.server.sessions import HeldRequest, SessionStore
+from segue.server.sessions import HeldConversation, HeldRequest, OutputMark, SessionStore
 from server_helpers import ScriptedModel, ServerThread, on_engine, wait_until
 
 
@@ -160,7 +160,7 @@ def test_implicit_sessions_stay_within_max_sessions():
     busy = auto.open("t")                   # an implicit session whose turn is still running
     assert busy is not None and len(store) == 2
     assert auto.open("t") is None and len(store) == 2
-    store.hold(busy, HeldRequest("held-1", [1, 2], [], "", 0, 0, [], None, []))
+    store.hold(busy, HeldRequest("held-1", [1, 2], HeldConversation([], "", []), OutputMark(), None))
     store.checkin(busy)                     # now idle: it gives way to the newer turn
     newer = auto.open("t")
     assert newer is not None and len(store) == 2 and aborted == ["held-1"]

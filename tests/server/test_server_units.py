@@ -10,7 +10,7 @@ from conftest import default_tokenizer
 from segue.program.registry import scoped_program_id
 from segue.server.errors import APIError
 from segue.server.request_bodies import ChatMessage
-from segue.server.sessions import HeldRequest, SessionStore
+from segue.server.sessions import HeldConversation, HeldRequest, OutputMark, SessionStore
 from segue.server.templating import ChatRenderer
 
 # A small template written for these tests in the Hermes style: tools in the system turn, calls
@@ -90,7 +90,7 @@ class Clock:
 
 
 def held(rid: str) -> HeldRequest:
-    return HeldRequest(rid, [1, 2], [], "", 0, 0, [], None, [])
+    return HeldRequest(rid, [1, 2], HeldConversation([], "", []), OutputMark(), None)
 
 
 def test_session_store() -> None:
