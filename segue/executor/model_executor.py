@@ -18,6 +18,7 @@ from segue.model.attention_table import AttentionPlan, plan_attention
 from segue.model.fused_ops import FusedOps
 from segue.model.fused_table import fused_table
 from segue.model.kv_tensors import KVTensors
+from segue.model.linear_plan import LinearPlan
 from segue.model.llama import LlamaModel
 from segue.model.loader import LoadedCheckpoint
 from segue.model.sampler import sample
@@ -49,12 +50,11 @@ class ModelExecutor(Executor):
             fused = FusedOps(kernels, table.chosen())
             logger.info("elementwise ops: %s", "; ".join(
                 f"{op} " + ", ".join(f"{r}: {f}" for r, f in rows.items()) for op, rows in fused.chosen.items()))
-        self.model = LlamaModel(ckpt.config, ckpt.weights, device, dtype, plan.quantization, kernels,
-                                dense_above=plan.quantized_rows, head_dense_above=plan.head_quantized_rows,
-                                head_quantization=plan.head_quantization, padded_rows=dict(plan.padded_rows),
-                                head_padded_rows=dict(plan.head_padded_rows), fused=fused,
-                                block_rows=plan.block_rows, head_block_rows=plan.head_block_rows,
-                                weights_memory=plan.weights_memory)
+        linears = LinearPlan(plan.quantization, dense_above=plan.quantized_rows, padded_rows=dict(plan.padded_rows),
+                             block_rows=plan.block_rows, head_quantization=plan.head_quantization,
+                             head_dense_above=plan.head_quantized_rows, head_padded_rows=dict(plan.head_padded_rows),
+                             head_block_rows=plan.head_block_rows, weights_memory=plan.weights_memory)
+        self.model = LlamaModel(ckpt.config, ckpt.weights, device, dtype, linears, kernels, fused)
         cfg = ckpt.config
         resident = self.model.weight_bytes()
         layers = "GGUF blocks" if plan.block_rows or plan.head_block_rows else f"{plan.quantization.value} layers"

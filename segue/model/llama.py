@@ -21,6 +21,7 @@ from segue.model.cpu_kernels import load_gguf_kernels
 from segue.model.fused_ops import FusedOps
 from segue.model.gguf_blocks import BlockEmbedding, BlockLinear, GGMLBlocks, WeightsMemory, concat_rows
 from segue.model.kv_tensors import KVTensors
+from segue.model.linear_plan import LinearPlan
 from segue.model.quant import LinearWeights, Quantization
 
 # A linear layer as the forward calls it: `lin(x)`, with `nbytes` resident.
@@ -46,6 +47,10 @@ def _rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
+# Dense weights in the compute dtype: the plan when none is given.
+UNQUANTIZED = LinearPlan()
+
+
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
@@ -57,20 +62,14 @@ class _Layer:
 
 
 class LlamaModel:
-    """`kernels`: the native CPU module (segue.model.cpu_kernels) for the fused elementwise ops and
-    quantized matmuls, or None for the torch forms (CUDA, or no compiler). `dense_above`: with a
-    quantization, batches of more rows than this run a GEMM over the dequantized weights;
-    `head_dense_above` is the same for the LM head, quantized as `head_quantization` (default:
-    int8 for int4 layers, else the layers' quantization)."""
+    """`plan`: how the linear layers and the LM head run (model/linear_plan.py). `kernels`: the
+    native CPU module (segue.model.cpu_kernels) for the fused elementwise ops and quantized
+    matmuls, or None for the torch forms (CUDA, or no compiler)."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, Weight],
-                 device: torch.device, dtype: torch.dtype,
-                 quantization: Quantization = Quantization.NONE, kernels: ModuleType | None = None,
-                 dense_above: int = 16, head_dense_above: int = 16,
-                 head_quantization: Quantization | None = None,
-                 padded_rows: dict[int, int] | None = None, head_padded_rows: dict[int, int] | None = None,
-                 fused: FusedOps | None = None, block_rows: int = 0, head_block_rows: int = 0,
-                 weights_memory: str = "packed") -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, Weight], device: torch.device, dtype: torch.dtype,
+                 plan: LinearPlan = UNQUANTIZED, kernels: ModuleType | None = None,
+                 fused: FusedOps | None = None) -> None:
+        quantization = plan.quantization
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -86,16 +85,17 @@ class LlamaModel:
             return t.to(device=device, dtype=dtype).contiguous()
 
         gguf = load_gguf_kernels() if any(isinstance(t, GGMLBlocks) for t in weights.values()) else None
-        keep_dense = weights_memory == WeightsMemory.DENSE.value
+        keep_dense = plan.weights_memory == WeightsMemory.DENSE.value
 
         def linear(parts: list[Weight], bias: torch.Tensor | None = None) -> Linear:
             if all(isinstance(t, GGMLBlocks) for t in parts):
                 assert gguf is not None  # the loader keeps blocks only where the kernels are built
-                return BlockLinear(concat_rows(cast(list[GGMLBlocks], parts)), bias, dtype, gguf, block_rows,
+                return BlockLinear(concat_rows(cast(list[GGMLBlocks], parts)), bias, dtype, gguf, plan.block_rows,
                                    keep_dense)
             # Quantize from the checkpoint's own precision, not from a rounded compute-dtype copy.
             weight = torch.cat([dense(t) for t in parts]) if len(parts) > 1 else dense(parts[0])
-            return LinearWeights(weight.to(device), bias, quantization, dtype, kernels, dense_above, padded_rows)
+            return LinearWeights(weight.to(device), bias, quantization, dtype, kernels, plan.dense_above,
+                                 plan.padded_rows)
 
         def dense(t: Weight) -> torch.Tensor:
             # A file may keep one kind of tensor in a format the kernels do not read (Q3_K ...).
@@ -112,11 +112,12 @@ class LlamaModel:
         # there cost the default model ~19% of its greedy agreement with fp32 (measured), for a
         # sixth fewer weight bytes per step.
         head_quant: Quantization = Quantization.INT8 if quantization is Quantization.INT4 else quantization
-        if head_quantization is not None:
-            head_quant = head_quantization
-        self.lm_head: Linear = BlockLinear([head], None, dtype, gguf, head_block_rows, keep_dense, fp32_out=True) \
+        if plan.head_quantization is not None:
+            head_quant = plan.head_quantization
+        self.lm_head: Linear = BlockLinear([head], None, dtype, gguf, plan.head_block_rows, keep_dense, fp32_out=True) \
             if isinstance(head, GGMLBlocks) and gguf is not None else \
-            LinearWeights(dense(head).to(device), None, head_quant, dtype, kernels, head_dense_above, head_padded_rows)
+            LinearWeights(dense(head).to(device), None, head_quant, dtype, kernels, plan.head_dense_above,
+                          plan.head_padded_rows)
         self.norm = w("model.norm.weight")
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):

@@ -11,8 +11,9 @@ Modes, as the HTTP client's:
   client does; the interception policy decides what the pause costs. The session is closed with
   the last turn (the client says it is done).
 - `auto`: `sessions` as a plain client with auto-continuation gets it: nobody says the last turn
-  was the last, so it is held like the others; after `release_s` it is released to the prefix
-  cache (Scheduler.abandon) and after `ttl_s` aborted, as the server's auto-continuation does.
+  was the last, so it is held like the others; after `HeldTurnTimes.release_s` it is released to
+  the prefix cache (Scheduler.abandon) and after `ttl_s` aborted, as the server's
+  auto-continuation does.
 
 Both modes feed the engine the same token sequences, so a turn's prompt in `plain` is exactly
 what the paused request holds in `sessions`.
@@ -34,6 +35,14 @@ from segue.sim.trace import TURN, TraceSegment
 from segue.sim.workloads.agents import Agent, AgentSpec, system_prompt_ids, task_ids, tool_result_ids
 
 MODES = ("plain", "sessions", "auto")
+
+
+@dataclass(frozen=True)
+class HeldTurnTimes:
+    """How long `auto` holds an agent's finished turn: released to the prefix cache after
+    `release_s`, aborted after `ttl_s` (the server's auto-continuation, server/auto_continue.py)."""
+    release_s: float = 10.0
+    ttl_s: float = 60.0
 
 
 @dataclass
@@ -85,12 +94,13 @@ class EngineAgentResult:
 
 
 def run_agents(engine: Any, spec: AgentSpec, agents: list[Agent], mode: str, clock_wait: Callable[[float], None],
-               check_invariants: bool = False, deadline_s: float | None = None, release_s: float = 10.0,
-               ttl_s: float = 60.0) -> EngineAgentResult:
+               check_invariants: bool = False, deadline_s: float | None = None,
+               held: HeldTurnTimes = HeldTurnTimes()) -> EngineAgentResult:
     """Drive `engine` (LLMEngine, real or simulated) through the agents; `clock_wait(t)` returns
     once engine.clock() >= t."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
+    release_s, ttl_s = held.release_s, held.ttl_s
     vocab = token_range(engine.model_config.vocab_size)
     system = system_prompt_ids(spec, vocab)
     params = SamplingParams(temperature=0, max_tokens=spec.output_tokens, ignore_eos=True)

@@ -31,6 +31,7 @@ from segue.engine.llm_engine import LLMEngine
 from segue.executor.kernel_plan import lossless_formats
 from segue.model.attention_backends import AttentionBackend
 from segue.model.cpu_kernels import load_cpu_kernels
+from segue.model.linear_plan import LinearPlan
 from segue.model.llama import LlamaModel
 from segue.model.loader import load_checkpoint
 from segue.model.quant import (
@@ -173,7 +174,7 @@ def check_variants(weights, config, kernels, variants, prompts=None, text=None, 
     (teacher-forced) and its perplexity on a fixed text is within 2%. Without prompts and text:
     random token ids (the tiny model has no real vocabulary)."""
     cpu = torch.device("cpu")
-    ref = LlamaModel(config, weights, cpu, torch.float32, Quantization.NONE, kernels)
+    ref = LlamaModel(config, weights, cpu, torch.float32, LinearPlan(), kernels)
     rng = random.Random(0)
     if prompts is None:
         prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(5, 40))] for _ in range(4)]
@@ -183,7 +184,7 @@ def check_variants(weights, config, kernels, variants, prompts=None, text=None, 
     ppl_ref = perplexity(ref, text)
     for dtype, quant in variants:
         # dense_above huge: every row goes through the quantized kernel, not only decode batches.
-        model = LlamaModel(config, weights, cpu, dtype, quant, kernels, dense_above=10**9)
+        model = LlamaModel(config, weights, cpu, dtype, LinearPlan(quant, dense_above=10**9), kernels)
         assert agreement(ref, model, prompts, conts) >= 0.97, (dtype, quant)
         assert abs(perplexity(model, text) / ppl_ref - 1) <= 0.02, (dtype, quant)
 
@@ -236,7 +237,7 @@ def test_bf16_kv_cache_agrees_with_fp32(tiny, kernels):
     if kernels is None and KERNELS is None:
         pytest.skip("native CPU kernels unavailable")
     ckpt = load_checkpoint(tiny, dtype=torch.float32)
-    model = LlamaModel(ckpt.config, ckpt.weights, torch.device("cpu"), torch.float32, Quantization.NONE, kernels)
+    model = LlamaModel(ckpt.config, ckpt.weights, torch.device("cpu"), torch.float32, LinearPlan(), kernels)
     rng = random.Random(4)
     same = total = 0
     for _ in range(4):
@@ -301,7 +302,8 @@ def test_cuda_engine_agrees_with_cpu_fp32(tiny, quantization):
     engine's greedy tokens agree with the CPU fp32 engine's on >= 97% of positions teacher-forced."""
     ckpt = load_checkpoint(tiny, dtype=torch.float32)
     ref = LlamaModel(ckpt.config, ckpt.weights, torch.device("cpu"), torch.float32)
-    cuda = LlamaModel(ckpt.config, ckpt.weights, torch.device("cuda"), torch.bfloat16, Quantization(quantization))
+    cuda = LlamaModel(ckpt.config, ckpt.weights, torch.device("cuda"), torch.bfloat16,
+                      LinearPlan(Quantization(quantization)))
     rng = random.Random(1)
     prompts = [[rng.randrange(100, 40000) for _ in range(20)] for _ in range(3)]
     conts = [greedy_continuation(ref, p, 40) for p in prompts]
@@ -439,7 +441,7 @@ def _prose_model(path, windows_count: int, length: int, rounded=None):
     # The tables are made from DEFAULT_FORMATS: they are the plan's choices only for such a checkpoint.
     assert lossless_formats(ckpt.weights, ckpt.config) == DEFAULT_FORMATS
     texts = windows(ckpt.tokenizer.encode(prose()), windows_count, length)
-    ref = LlamaModel(ckpt.config, ckpt.weights, torch.device("cpu"), torch.float32, Quantization.NONE, KERNELS)
+    ref = LlamaModel(ckpt.config, ckpt.weights, torch.device("cpu"), torch.float32, LinearPlan(), KERNELS)
     return ckpt, texts, [full_logits(ref, t) for t in texts]
 
 
