@@ -8,6 +8,7 @@ storage dtype and round once, so they are the same math.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -27,11 +28,21 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return (weight.float() * x).to(h.dtype)
 
 
-def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   num_heads: int, num_kv_heads: int) -> None:
-    """Q and K of qkv [T, (heads + 2 kv_heads) * dim] rotated in place (HF's rotate_half form, fp32
-    cos/sin [max_pos, dim / 2]); K and V written to the cache slots."""
+@dataclass(frozen=True)
+class Rope:
+    """What rotating a layer's qkv needs besides the rows: the fp32 cos/sin tables [max_pos, dim / 2]
+    and the heads a row splits into. The same for every layer, so the model builds it once."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+
+
+def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, rope: Rope, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Q and K of qkv [T, (heads + 2 kv_heads) * dim] rotated in place (HF's rotate_half form); K and
+    V written to the cache slots. The native kernel takes the same values with `rope` spread out."""
+    cos, sin, num_heads, num_kv_heads = rope.cos, rope.sin, rope.num_heads, rope.num_kv_heads
     hd = k_cache.shape[-1]
     half = hd // 2
     heads = qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, hd)
@@ -69,11 +80,13 @@ class FusedOps:
         impl = self.kernels.add_rms_norm if self._native("add_rms_norm", h.shape[0]) else add_rms_norm
         return impl(h, delta, weight, eps)
 
-    def rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       num_heads: int, num_kv_heads: int) -> None:
-        impl = self.kernels.rope_and_cache if self._native("rope_and_cache", qkv.shape[0]) else rope_and_cache
-        impl(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+    def rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, rope: Rope, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self._native("rope_and_cache", qkv.shape[0]):
+            self.kernels.rope_and_cache(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, slot_mapping,
+                                        rope.num_heads, rope.num_kv_heads)
+        else:
+            rope_and_cache(qkv, positions, rope, k_cache, v_cache, slot_mapping)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         impl = self.kernels.silu_mul if self._native("silu_mul", gate_up.shape[0]) else silu_mul

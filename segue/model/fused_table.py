@@ -87,13 +87,15 @@ def measure(config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, kern
         gate_up = torch.randn(rows, 2 * inter, generator=gen).to(dtype)
         positions = torch.randint(0, 4096, (rows,), generator=gen)
         slots = torch.randperm(blocks * BLOCK, generator=gen)[:rows]
-        rope_args = (positions, cos, sin, kc, vc, slots, nh, kvh)
+        rope = fused_ops.Rope(cos, sin, nh, kvh)
         norm_args = (hs, delta, weight, config.rms_norm_eps)
         cases = {
             "add_rms_norm": {"native": functools.partial(kernels.add_rms_norm, *norm_args),
                              "torch": functools.partial(fused_ops.add_rms_norm, *norm_args)},
-            "rope_and_cache": {"native": functools.partial(kernels.rope_and_cache, qkv, *rope_args),
-                               "torch": functools.partial(fused_ops.rope_and_cache, qkv, *rope_args)},
+            "rope_and_cache": {"native": functools.partial(kernels.rope_and_cache, qkv, positions, cos, sin, kc, vc,
+                                                           slots, nh, kvh),
+                               "torch": functools.partial(fused_ops.rope_and_cache, qkv, positions, rope, kc, vc,
+                                                          slots)},
             "silu_mul": {"native": functools.partial(kernels.silu_mul, gate_up),
                          "torch": functools.partial(fused_ops.silu_mul, gate_up)},
         }

@@ -18,7 +18,7 @@ from segue.model.attention import AttentionMetadata, paged_attention
 from segue.model.checkpoint import Weight
 from segue.model.config import ModelConfig
 from segue.model.cpu_kernels import load_gguf_kernels
-from segue.model.fused_ops import FusedOps
+from segue.model.fused_ops import FusedOps, Rope
 from segue.model.gguf_blocks import BlockEmbedding, BlockLinear, GGMLBlocks, WeightsMemory, concat_rows
 from segue.model.kv_tensors import KVTensors
 from segue.model.linear_plan import LinearPlan
@@ -141,6 +141,7 @@ class LlamaModel:
         # The fused kernel rotates in fp32 whatever the storage dtype.
         self.cos32 = freqs.cos().to(device=device, dtype=torch.float32).contiguous()
         self.sin32 = freqs.sin().to(device=device, dtype=torch.float32).contiguous()
+        self.rope = Rope(self.cos32, self.sin32, config.num_heads, config.num_kv_heads)
         self.scale = config.head_dim ** -0.5
 
     def weight_bytes(self) -> int:
@@ -209,8 +210,7 @@ class LlamaModel:
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(x)
-            ops.rope_and_cache(qkv, positions, self.cos32, self.sin32, kv_cache.k[i], kv_cache.v[i],
-                               meta.slot_mapping, nh, kvh)
+            ops.rope_and_cache(qkv, positions, self.rope, kv_cache.k[i], kv_cache.v[i], meta.slot_mapping)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             attn = paged_attention(q.view(-1, nh, hd), k.view(-1, kvh, hd), v.view(-1, kvh, hd),
                                    kv_cache, i, meta, self.scale)

@@ -50,10 +50,13 @@ def test_rope_and_cache(dtype, nh, kvh, hd):
     positions = torch.randint(0, 300, (rows,), generator=g)
     slots = torch.randperm(blocks * bs, generator=g)[:rows]
     results = []
-    for impl in (KERNELS.rope_and_cache, fused_ops.rope_and_cache):
+    for native in (True, False):
         q, kc = qkv.clone(), torch.zeros(kvh, blocks, bs, hd, dtype=dtype)
         vc = torch.zeros_like(kc)
-        impl(q, positions, cos, sin, kc, vc, slots, nh, kvh)
+        if native:
+            KERNELS.rope_and_cache(q, positions, cos, sin, kc, vc, slots, nh, kvh)
+        else:
+            fused_ops.rope_and_cache(q, positions, fused_ops.Rope(cos, sin, nh, kvh), kc, vc, slots)
         results.append((q, kc, vc))
     for native, torch_form in zip(*results, strict=True):
         torch.testing.assert_close(torch_form, native, **TOL[dtype])
