@@ -378,6 +378,69 @@ def test_long_functions_are_caught():
     assert long_functions(f"def f():\n{body}\n") and not long_functions("def f():\n    return 1\n")
 
 
+# ---- names and signatures -------------------------------------------------------------------
+# One class per name: two classes called KVCache (the tensors and the scheduler's protocol) made
+# every reader check which one an import meant.
+def class_definitions(source: str, filename: str = "<source>") -> list[tuple[str, str]]:
+    return [(node.name, f"{filename}:{node.lineno}") for node in ast.walk(ast.parse(source, filename))
+            if isinstance(node, ast.ClassDef)]
+
+
+def duplicate_class_names(definitions: list[tuple[str, str]]) -> list[str]:
+    places: dict[str, list[str]] = {}
+    for name, where in definitions:
+        places.setdefault(name, []).append(where)
+    return [f"{name}: {', '.join(where)}" for name, where in sorted(places.items()) if len(where) > 1]
+
+
+def _segue_sources() -> list[tuple[str, str]]:
+    return [(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
+            for path in sorted((ROOT / "segue").rglob("*.py"))]
+
+
+def test_no_class_name_is_defined_twice():
+    definitions = [d for source, name in _segue_sources() for d in class_definitions(source, name)]
+    bad = duplicate_class_names(definitions)
+    assert not bad, "class names defined more than once in segue/ (name each for what it holds):\n" + "\n".join(bad)
+
+
+# A function that needs more than this many values takes some of them as a named group (a
+# dataclass: the plan of a model's matmuls, where a turn starts), so call sites read by name.
+MAX_PARAMETERS = 8
+
+
+def wide_functions(source: str, filename: str = "<source>", limit: int = MAX_PARAMETERS) -> list[str]:
+    """Functions with more than `limit` parameters, self and cls not counted (*args and **kwargs
+    count one each)."""
+    out = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        a = node.args
+        names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
+        names += [p.arg for p in (a.vararg, a.kwarg) if p is not None]
+        if names and names[0] in ("self", "cls"):
+            names = names[1:]
+        if len(names) > limit:
+            out.append(f"{filename}:{node.lineno}: {node.name} takes {len(names)}")
+    return out
+
+
+def test_no_function_takes_more_than_eight_parameters():
+    bad = [w for source, name in _segue_sources() for w in wide_functions(source, name)]
+    assert not bad, (f"functions with more than {MAX_PARAMETERS} parameters (group some into a dataclass of "
+                     "named values):\n" + "\n".join(bad))
+
+
+def test_names_and_signatures_checks_catch_violations():
+    defs = class_definitions("class A: pass\nclass B:\n    class A: pass\n", "m.py")
+    assert duplicate_class_names(defs + [("C", "n.py:1")]) == ["A: m.py:1, m.py:3"]
+    eight = ", ".join(f"a{i}" for i in range(8))
+    assert not wide_functions(f"class K:\n    def f(self, {eight}): pass\n")
+    assert wide_functions(f"def f({eight}, *rest): pass\n") == ["<source>:1: f takes 9"]
+    assert wide_functions(f"async def f({eight}, *, k=1): pass\n") == ["<source>:1: f takes 9"]
+
+
 def test_top_of_the_package_holds_only_shared_vocabulary():
     # Everything else lives in the package of its layer (engine/, sched/, kv/, ...), so the tree
     # shows the layers.
