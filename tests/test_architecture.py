@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("executor", ("segue.executor",)),
     ("predict", ("segue.predict",)),
     # The seam's own types: what the server may know of an engine.
-    ("client", ("segue.engine.protocol", "segue.engine.engine_request", "segue.engine.stats",
+    ("client", ("segue.engine.protocol", "segue.engine.engine_request", "segue.engine.calls", "segue.engine.stats",
                 "segue.engine.model_info")),
     ("engine", ("segue.engine", "segue.profiler")),
     ("async", ("segue.engine.async_engine", "segue.engine.engine_thread", "segue.engine.streams",
@@ -172,7 +172,7 @@ def test_layer_order_is_the_documented_one():
 # from. Everything else (engine, scheduler, KV, executors, predictors, async engine, cluster) is
 # reached through an EngineClient only. launch.py is the composition root: it builds the engine
 # (segue.cluster.build_engine, from an EngineConfig) and hands the app an EngineClient.
-SERVER_MAY_IMPORT = ("segue.engine.protocol", "segue.engine.engine_request", "segue.engine.stats",
+SERVER_MAY_IMPORT = ("segue.engine.protocol", "segue.engine.engine_request", "segue.engine.calls", "segue.engine.stats",
                      "segue.engine.model_info", "segue.outputs", "segue.sampling_params", "segue.tools",
                      "segue.structured")
 COMPOSITION_ROOTS = ("segue.server.launch",)
