@@ -65,8 +65,7 @@ class EngineReplica(abc.ABC):
 
     @abc.abstractmethod
     def call(self, op: EngineCall[R]) -> Awaitable[R]:
-        """AsyncLLMEngine.call on this replica: sent at once, answered when awaited (an Abort's
-        answer is ready at once)."""
+        """AsyncLLMEngine.call on this replica (an Abort is sent before this returns)."""
 
     @abc.abstractmethod
     async def run_sync(self, fn: Callable[["LLMEngine"], Any]) -> Any:

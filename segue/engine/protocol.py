@@ -64,8 +64,9 @@ class EngineClient(Protocol):
 
     # ---- calls about requests (abort, paused requests) and stats --------------------------
     def call(self, op: EngineCall[R]) -> Awaitable[R]:
-        """Send `op` (engine/calls.py) to the engine at once; awaiting the result gives its answer.
-        An Abort's answer is ready at once: aborts never wait, so callers may drop the result."""
+        """`op` (engine/calls.py) for the engine; awaiting the result gives its answer. An Abort is
+        sent before call() returns and answered at once: aborts never wait, so callers (a closing
+        stream, a session dropping its held turn) may drop the result."""
 
     # ---- scheduling hints -------------------------------------------------------------------
     def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None: ...

@@ -105,7 +105,7 @@ def pool(request: pytest.FixtureRequest, config: EngineConfig) -> Iterator[Engin
 
 
 async def ask(target: EnginePool | EngineReplica, op: EngineCall[Any]) -> Any:
-    """A call's answer, from a loop of its own (call() sends at once, so it needs a running loop)."""
+    """A call's answer, on a loop of its own (an engine's call() may need a running loop)."""
     return await target.call(op)
 
 
