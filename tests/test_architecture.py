@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("executor", ("segue.executor",)),
     ("predict", ("segue.predict",)),
     # The seam's own types: what the server may know of an engine.
-    ("client", ("segue.engine.protocol", "segue.engine.engine_request", "segue.engine.stats",
+    ("client", ("segue.engine.protocol", "segue.engine.engine_request", "segue.engine.calls", "segue.engine.stats",
                 "segue.engine.model_info")),
     ("engine", ("segue.engine", "segue.profiler")),
     ("async", ("segue.engine.async_engine", "segue.engine.engine_thread", "segue.engine.streams",
@@ -172,7 +172,7 @@ def test_layer_order_is_the_documented_one():
 # from. Everything else (engine, scheduler, KV, executors, predictors, async engine, cluster) is
 # reached through an EngineClient only. launch.py is the composition root: it builds the engine
 # (segue.cluster.build_engine, from an EngineConfig) and hands the app an EngineClient.
-SERVER_MAY_IMPORT = ("segue.engine.protocol", "segue.engine.engine_request", "segue.engine.stats",
+SERVER_MAY_IMPORT = ("segue.engine.protocol", "segue.engine.engine_request", "segue.engine.calls", "segue.engine.stats",
                      "segue.engine.model_info", "segue.outputs", "segue.sampling_params", "segue.tools",
                      "segue.structured")
 COMPOSITION_ROOTS = ("segue.server.launch",)
@@ -429,3 +429,55 @@ def test_the_memory_owner_calls_every_release_verb():
 ])
 def test_release_calls_are_caught(source, caught):
     assert bool(release_calls(source)) == caught
+
+
+# ---- one typed call per request operation --------------------------------------------------------
+# A request's verbs cross the server, the engine client, the pool, the replicas and the Ray actor
+# as one EngineCall value (segue/engine/calls.py) through one `call` method per layer, instead of
+# one method per verb per layer. The verb itself is defined where it is done: the engine's
+# requests and the scheduler (and the LLMEngine that forwards to its requests).
+REQUEST_VERBS = ("abort", "abandon", "expect_resume", "held_token_ids", "get_stats")
+VERB_LAYERS = ("segue/server", "segue/engine", "segue/cluster", "segue/sched")
+MAX_CLASSES_PER_VERB = 4
+
+
+def classes_defining(source: str, names: tuple[str, ...]) -> dict[str, list[str]]:
+    """For each of `names`, the classes of `source` that define it: a method, or a class-level
+    assignment (LLMEngine's forwarding `abandon = _to_requests(...)`)."""
+    found: dict[str, list[str]] = {name: [] for name in names}
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        defined = set()
+        for item in node.body:
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                defined.add(item.name)
+            elif isinstance(item, ast.Assign):
+                defined |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+        for name in names:
+            if name in defined:
+                found[name].append(node.name)
+    return found
+
+
+def verb_definitions() -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {verb: [] for verb in REQUEST_VERBS}
+    for folder in VERB_LAYERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for verb, classes in classes_defining(path.read_text(encoding="utf-8"), REQUEST_VERBS).items():
+                found[verb] += [f"{path.relative_to(ROOT)}:{c}" for c in classes]
+    return found
+
+
+def test_no_request_verb_is_respelled_at_every_layer():
+    bad = {verb: classes for verb, classes in verb_definitions().items() if len(classes) > MAX_CLASSES_PER_VERB}
+    assert not bad, ("request verbs defined in more than four classes (send them as an EngineCall, "
+                     f"segue/engine/calls.py, through `call`): {bad}")
+
+
+def test_verb_definitions_are_counted():
+    source = ("class A:\n    def abort(self): ...\n    async def abandon(self): ...\n"
+              "class B:\n    abandon = forward\n    def other(self): ...\n"
+              "def abort(): ...\n")
+    found = classes_defining(source, ("abort", "abandon", "get_stats"))
+    assert found == {"abort": ["A"], "abandon": ["A", "B"], "get_stats": []}

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
+from segue.engine.calls import ExpectResume
 from segue.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from segue.sampling_params import InvalidRequestError
 from segue.server.chat_tools import ToolSetup
@@ -178,7 +179,7 @@ class ChatTurn:
                                self._segment(c), len(c.text), c.num_generated_tokens, [], self.parser,
                                self.setup.tools, end_text=end_text, rerender=not end_text)
         if self.expected_tool_seconds is not None:  # here: how long the human (or client) takes
-            await self.ctx.engine.expect_resume(self.request_id, self.expected_tool_seconds)
+            await self.ctx.engine.call(ExpectResume(self.request_id, self.expected_tool_seconds))
         return end
 
     async def _on_pause(self, out: RequestOutput, c: CompletionOutput) -> TurnEnd | None:
@@ -205,7 +206,7 @@ class ChatTurn:
             held = HeldRequest(self.request_id, list(out.prompt_token_ids) + list(c.token_ids), self.context,
                                segment, len(c.text), c.num_generated_tokens, results, self.parser, self.setup.tools)
             if self.expected_tool_seconds is not None:
-                await self.ctx.engine.expect_resume(self.request_id, self.expected_tool_seconds)
+                await self.ctx.engine.call(ExpectResume(self.request_id, self.expected_tool_seconds))
             return self._end(out, "tool_calls", client_calls, held)
         tokens: list[int] = []
         if results:
