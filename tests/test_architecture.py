@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("executor", ("segue.executor",)),
     ("predict", ("segue.predict",)),
     # The seam's own types: what the server may know of an engine.
-    ("client", ("segue.engine.protocol", "segue.engine.engine_request", "segue.engine.stats",
+    ("client", ("segue.engine.protocol", "segue.engine.engine_request", "segue.engine.calls", "segue.engine.stats",
                 "segue.engine.model_info")),
     ("engine", ("segue.engine", "segue.profiler")),
     ("async", ("segue.engine.async_engine", "segue.engine.engine_thread", "segue.engine.streams",
@@ -172,7 +172,7 @@ def test_layer_order_is_the_documented_one():
 # from. Everything else (engine, scheduler, KV, executors, predictors, async engine, cluster) is
 # reached through an EngineClient only. launch.py is the composition root: it builds the engine
 # (segue.cluster.build_engine, from an EngineConfig) and hands the app an EngineClient.
-SERVER_MAY_IMPORT = ("segue.engine.protocol", "segue.engine.engine_request", "segue.engine.stats",
+SERVER_MAY_IMPORT = ("segue.engine.protocol", "segue.engine.engine_request", "segue.engine.calls", "segue.engine.stats",
                      "segue.engine.model_info", "segue.outputs", "segue.sampling_params", "segue.tools",
                      "segue.structured")
 COMPOSITION_ROOTS = ("segue.server.launch",)
@@ -446,3 +446,117 @@ def test_top_of_the_package_holds_only_shared_vocabulary():
     # shows the layers.
     top = sorted(p.stem for p in (ROOT / "segue").glob("*.py"))
     assert top == ["__init__", "arith", "cli", "config", "outputs", "request", "sampling_params"]
+
+
+# ---- one owner for memory (issue 46) -------------------------------------------------------
+# Memory is taken from one request (a paused context, a retained history, a running or waiting
+# request) for another in one module, sched/memory.py, down the table in sched/memory_table.py:
+# a change to who gives memory to whom is made and reviewed there. Its release verbs: the paused
+# queue's and the agents' release_for_memory, and the KV manager's free, release, swap_out and
+# release_retained.
+MEMORY_OWNER = "segue/sched/memory.py"
+SOURCE_RELEASE_VERBS = {"release_for_memory"}
+KV_RELEASE_VERBS = {"free", "release", "swap_out", "release_retained"}
+# Callers of the KV verbs on what they own, for no other request: the paused queue carries out
+# the interception policy's preserve/swap/discard each step and abandon() (sched/paused.py);
+# the agents let a history expire or hand it to the turn that continues it (sched/agents.py);
+# their release_for_memory bodies are the sources sched/memory.py calls. The prefix-cache replay
+# drives a KV manager of its own, without a scheduler (sim/prefix_cache.py).
+KV_RELEASE_OWNERS = ("segue/sched/paused.py", "segue/sched/agents.py", "segue/sim/prefix_cache.py")
+
+
+def release_calls(source: str, filename: str = "<source>") -> list[str]:
+    """Calls of a release verb: release_for_memory on anything, the KV verbs on a KV manager."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        verb = node.func.attr
+        if verb in SOURCE_RELEASE_VERBS or (verb in KV_RELEASE_VERBS and _names_kv_manager(node.func.value)):
+            found.append(f"{filename}:{node.lineno}: {verb}()")
+    return found
+
+
+def test_only_sched_memory_releases_memory():
+    bad = []
+    for path in sorted((ROOT / "segue").rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        if path.is_relative_to(ROOT / "segue" / "kv") or name == MEMORY_OWNER:
+            continue
+        calls = release_calls(path.read_text(encoding="utf-8"), name)
+        if name in KV_RELEASE_OWNERS:
+            calls = [c for c in calls if c.endswith(tuple(f" {v}()" for v in SOURCE_RELEASE_VERBS))]
+        bad += calls
+    assert not bad, (f"memory released outside {MEMORY_OWNER} (add a site or a source to "
+                     "segue/sched/memory_table.py and take it there):\n" + "\n".join(bad))
+
+
+def test_the_memory_owner_calls_every_release_verb():
+    found = {c.rsplit(" ", 1)[1] for c in release_calls((ROOT / MEMORY_OWNER).read_text(encoding="utf-8"))}
+    assert found == {f"{v}()" for v in SOURCE_RELEASE_VERBS | KV_RELEASE_VERBS - {"release_retained"}}
+
+
+@pytest.mark.parametrize("source,caught", [
+    ("sched.paused.release_for_memory(need, now)", True),
+    ("agents.release_for_memory(short, now, keep=keep)", True),
+    ("self.state.kv.free(request)", True),
+    ("sched.kv.swap_out(req, 4)", True),
+    ("kv.release(req)", True),
+    ("self.kv.release_retained(handle)", True),
+    ("self.slot.release(); cache.swap_out(mapping); self.release(req)", False),  # not a KV manager
+    ("sched.kv.allocate_slots(req, 4); kv.finish(req, now, 0.0)", False),
+])
+def test_release_calls_are_caught(source, caught):
+    assert bool(release_calls(source)) == caught
+
+
+# ---- one typed call per request operation --------------------------------------------------------
+# A request's verbs cross the server, the engine client, the pool, the replicas and the Ray actor
+# as one EngineCall value (segue/engine/calls.py) through one `call` method per layer, instead of
+# one method per verb per layer. The verb itself is defined where it is done: the engine's
+# requests and the scheduler (and the LLMEngine that forwards to its requests).
+REQUEST_VERBS = ("abort", "abandon", "expect_resume", "held_token_ids", "get_stats")
+VERB_LAYERS = ("segue/server", "segue/engine", "segue/cluster", "segue/sched")
+MAX_CLASSES_PER_VERB = 4
+
+
+def classes_defining(source: str, names: tuple[str, ...]) -> dict[str, list[str]]:
+    """For each of `names`, the classes of `source` that define it: a method, or a class-level
+    assignment (LLMEngine's forwarding `abandon = _to_requests(...)`)."""
+    found: dict[str, list[str]] = {name: [] for name in names}
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        defined = set()
+        for item in node.body:
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                defined.add(item.name)
+            elif isinstance(item, ast.Assign):
+                defined |= {t.id for t in item.targets if isinstance(t, ast.Name)}
+        for name in names:
+            if name in defined:
+                found[name].append(node.name)
+    return found
+
+
+def verb_definitions() -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {verb: [] for verb in REQUEST_VERBS}
+    for folder in VERB_LAYERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for verb, classes in classes_defining(path.read_text(encoding="utf-8"), REQUEST_VERBS).items():
+                found[verb] += [f"{path.relative_to(ROOT)}:{c}" for c in classes]
+    return found
+
+
+def test_no_request_verb_is_respelled_at_every_layer():
+    bad = {verb: classes for verb, classes in verb_definitions().items() if len(classes) > MAX_CLASSES_PER_VERB}
+    assert not bad, ("request verbs defined in more than four classes (send them as an EngineCall, "
+                     f"segue/engine/calls.py, through `call`): {bad}")
+
+
+def test_verb_definitions_are_counted():
+    source = ("class A:\n    def abort(self): ...\n    async def abandon(self): ...\n"
+              "class B:\n    abandon = forward\n    def other(self): ...\n"
+              "def abort(): ...\n")
+    found = classes_defining(source, ("abort", "abandon", "get_stats"))
+    assert found == {"abort": ["A"], "abandon": ["A", "B"], "get_stats": []}

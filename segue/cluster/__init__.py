@@ -7,8 +7,8 @@ engines' step threads then share one Python process).
 
 What the server asks of "the engine" is segue/engine/protocol.py's EngineClient, and the pool is
 one (see pool.py): the model side (tokenization, chat template, prompt checks) in the server's
-process; generate/continue/resume/detach/abort and the paused-request methods by request id, on
-the replica that holds it; get_stats() from every live replica, merged by EngineStats.merge.
+process; generate/continue/resume/detach and each call about a request (engine/calls.py) by
+request id, on the replica that holds it; GetStats from every live replica, merged by EngineStats.merge.
 
 Fault tolerance: replicas are Ray actors with `max_restarts` (`--engine-restarts`, default
 DEFAULT_ENGINE_RESTARTS). When one dies, its requests in flight fail with EngineDeadError (503),

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Awaitable, Callable
 
 from segue.cluster.replica import EngineReplica, ReplicaOutput
 from segue.engine.async_engine import AsyncLLMEngine
+from segue.engine.calls import EngineCall, R
 from segue.engine.engine_request import EngineRequest
 from segue.engine.model_info import ModelInfo
-from segue.engine.stats import EngineStats
 from segue.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -42,23 +42,11 @@ class LocalReplica(EngineReplica):
     def detach(self, request_id: str) -> None:
         self.engine.detach(request_id)
 
-    def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-
     def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None:
         self.engine.set_latency_sensitive(request_id, latency_sensitive)
 
-    async def held_token_ids(self, request_id: str) -> list[int] | None:
-        return await self.engine.held_token_ids(request_id)
-
-    async def expect_resume(self, request_id: str, after_s: float) -> bool:
-        return await self.engine.expect_resume(request_id, after_s)
-
-    async def abandon(self, request_id: str) -> bool:
-        return await self.engine.abandon(request_id)
-
-    async def get_stats(self) -> EngineStats:
-        return await self.engine.get_stats()
+    def call(self, op: EngineCall[R]) -> Awaitable[R]:
+        return self.engine.call(op)
 
     async def run_sync(self, fn: Callable[["LLMEngine"], Any]) -> Any:
         return await self.engine.run_sync(fn)

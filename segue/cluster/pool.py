@@ -1,13 +1,13 @@
 """EnginePool: an EngineClient (segue/engine/protocol.py) over several engine replicas.
 
 The server keeps talking to "the engine"; the pool places each new request with its Router and
-sends everything that follows (continue, resume, detach, abort, the paused-request methods) to the
-replica that holds it. The model side (tokenization, chat template, prompt checks) is answered
-here, in the server's process, by the same InputProcessor the engines use, over the ModelInfo
-replica 0 describes (replicas all serve the same checkpoint). Tool duration hints fan out to every
-replica.
+sends everything that follows (continue, resume, detach, and each RequestCall: abort, the
+paused-request questions) to the replica that holds it. The model side (tokenization, chat
+template, prompt checks) is answered here, in the server's process, by the same InputProcessor
+the engines use, over the ModelInfo replica 0 describes (replicas all serve the same checkpoint).
+Tool duration hints fan out to every replica.
 
-get_stats() merges the live replicas' snapshots as EngineStats.merge says: /metrics thus reports
+A GetStats call merges the live replicas' snapshots as EngineStats.merge says: /metrics thus reports
 sums over replicas (queues, KV blocks, waste, prefix hits, steps); tool duration quantiles are per
 replica (the one with most observations is shown). `is_running` (/health) is true only while
 every replica is; a Ray replica's death is noticed on the next call that reaches it. Ray
@@ -24,11 +24,12 @@ import contextlib
 import dataclasses
 import logging
 import uuid
-from typing import Any, AsyncGenerator, Callable, Sequence
+from typing import Any, AsyncGenerator, Awaitable, Callable, Sequence, cast
 
 from segue.cluster.replica import EngineReplica, ReplicaOutput
 from segue.cluster.router import Router, RouteRequest
 from segue.engine.async_engine import remember_early
+from segue.engine.calls import Abort, Answered, EngineCall, GetStats, R, RequestCall
 from segue.engine.engine_request import EngineRequest
 from segue.engine.input_processor import InputProcessor
 from segue.engine.model_info import ModelInfo
@@ -133,36 +134,35 @@ class EnginePool:
         else:
             remember_early(self._early_objectives, request_id, latency_sensitive)
 
-    def abort(self, request_id: str) -> None:
-        index = self._owners.get(request_id)
-        if index is None:
-            return
-        self._detached.discard(request_id)
-        self.replicas[index].abort(request_id)
-        if request_id not in self._streaming:
-            self._forget(request_id)
-
     def set_tool_hint(self, name: str, seconds: float | None) -> None:
         for replica in self.replicas:
             replica.set_tool_hint(name, seconds)
 
-    # ---- paused requests and stats (EngineClient) --------------------------------------------
-    async def held_token_ids(self, request_id: str) -> list[int] | None:
-        replica = self._owner(request_id)
-        return await replica.held_token_ids(request_id) if replica is not None else None
+    # ---- calls about requests, and stats (EngineClient) -------------------------------------
+    def call(self, op: EngineCall[R]) -> Awaitable[R]:
+        """A call about a request goes to the replica holding it; none holds it: the call's own
+        answer for that (RequestCall.answer_if_absent). Stats are merged over the live replicas."""
+        if isinstance(op, GetStats):
+            self._check_alive()
+            return cast("Awaitable[R]", self._merged_stats())
+        if not isinstance(op, RequestCall):
+            raise TypeError(f"not an engine call: {op!r}")
+        if not isinstance(op, Abort):
+            # An abort is how a closing stream cleans up, even on the way down: it is always sent.
+            self._check_alive()
+        index = self._owners.get(op.request_id)
+        if index is None:
+            return Answered(op.answer_if_absent())
+        answer = self.replicas[index].call(op)
+        if isinstance(op, Abort):
+            self._detached.discard(op.request_id)
+            if op.request_id not in self._streaming:
+                self._forget(op.request_id)
+        return answer
 
-    async def expect_resume(self, request_id: str, after_s: float) -> bool:
-        replica = self._owner(request_id)
-        return await replica.expect_resume(request_id, after_s) if replica is not None else False
-
-    async def abandon(self, request_id: str) -> bool:
-        replica = self._owner(request_id)
-        return await replica.abandon(request_id) if replica is not None else False
-
-    async def get_stats(self) -> EngineStats:
-        self._check_alive()
+    async def _merged_stats(self) -> EngineStats:
         live = [r for r in self.replicas if r.is_running]
-        return EngineStats.merge(await asyncio.gather(*(r.get_stats() for r in live)))
+        return EngineStats.merge(await asyncio.gather(*(r.call(GetStats()) for r in live)))
 
     async def run_sync(self, fn: Callable[[Any], Any], request_id: str | None = None) -> Any:
         """fn(LLMEngine) on the replica holding request_id, or else on every live replica: their
@@ -223,7 +223,7 @@ class EnginePool:
             if not finished and rid not in self._detached:
                 # The replica's stream aborted it already when it was open; not when opening failed
                 # (continue_request of a request still paused): abort is idempotent, so always.
-                replica.abort(rid)
+                replica.call(Abort(rid))
             if finished or rid not in self._detached:
                 self._forget(rid)
 

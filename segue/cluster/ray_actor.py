@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
 
 from segue.config import EngineConfig
 from segue.engine.async_engine import AsyncLLMEngine
+from segue.engine.calls import EngineCall, R
 from segue.engine.engine_request import EngineRequest
 from segue.engine.model_info import ModelInfo
-from segue.engine.stats import EngineStats, LoadReport
+from segue.engine.stats import LoadReport
 from segue.outputs import RequestOutput
 from segue.sampling_params import SamplingParams
 
@@ -112,23 +113,11 @@ class EngineActor:
             entry[0].set()
             await entry[1].wait()
 
-    async def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-
     async def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None:
         self.engine.set_latency_sensitive(request_id, latency_sensitive)
 
-    async def held_token_ids(self, request_id: str) -> list[int] | None:
-        return await self.engine.held_token_ids(request_id)
-
-    async def expect_resume(self, request_id: str, after_s: float) -> bool:
-        return await self.engine.expect_resume(request_id, after_s)
-
-    async def abandon(self, request_id: str) -> bool:
-        return await self.engine.abandon(request_id)
-
-    async def get_stats(self) -> EngineStats:
-        return await self.engine.get_stats()
+    async def call(self, op: EngineCall[R]) -> R:
+        return await self.engine.call(op)
 
     async def run_sync(self, fn: Callable[["LLMEngine"], Any]) -> Any:
         return await self.engine.run_sync(fn)

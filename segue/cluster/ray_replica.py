@@ -20,7 +20,7 @@ server's, segue's) work; closures over test-module globals would not import on t
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, AsyncGenerator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Awaitable, Callable, cast
 
 import ray
 import ray.exceptions
@@ -29,10 +29,10 @@ from segue.cluster.ray_actor import EngineActor
 from segue.cluster.ray_health import ActorHealth
 from segue.cluster.replica import EngineReplica, ReplicaOutput
 from segue.config import EngineConfig
+from segue.engine.calls import Abort, Answered, EngineCall, R
 from segue.engine.engine_request import EngineRequest
 from segue.engine.model_info import ModelInfo
 from segue.engine.protocol import EngineDeadError
-from segue.engine.stats import EngineStats
 from segue.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class RayReplica(EngineReplica):
                 if pending is not None:
                     await self._settle(pending)
                 else:
-                    self.actor.abort.remote(request_id)
+                    self.actor.call.remote(Abort(request_id))
                 ray.cancel(stream)
 
     async def _settle(self, ref: Any) -> None:
@@ -155,29 +155,18 @@ class RayReplica(EngineReplica):
     def detach(self, request_id: str) -> None:
         self._detaching[request_id] = self.actor.detach.remote(request_id)
 
-    def abort(self, request_id: str) -> None:
-        self._detaching.pop(request_id, None)
-        self.actor.abort.remote(request_id)
-
     def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None:
-        # Fire and forget, like abort: a replica that is down has no request to update.
+        # Fire and forget, like an Abort: a replica that is down has no request to update.
         self.actor.set_latency_sensitive.remote(request_id, latency_sensitive)
 
-    async def held_token_ids(self, request_id: str) -> list[int] | None:
+    def call(self, op: EngineCall[R]) -> Awaitable[R]:
+        if isinstance(op, Abort):
+            # Fire and forget: a replica that is down has no request left to abort.
+            self._detaching.pop(op.request_id, None)
+            self.actor.call.remote(op)
+            return cast("Awaitable[R]", Answered(None))  # an Abort's R is None
         self._check_up()
-        return await self._call(self.actor.held_token_ids.remote(request_id))
-
-    async def expect_resume(self, request_id: str, after_s: float) -> bool:
-        self._check_up()
-        return await self._call(self.actor.expect_resume.remote(request_id, after_s))
-
-    async def abandon(self, request_id: str) -> bool:
-        self._check_up()
-        return await self._call(self.actor.abandon.remote(request_id))
-
-    async def get_stats(self) -> EngineStats:
-        self._check_up()
-        return await self._call(self.actor.get_stats.remote())
+        return self._call(self.actor.call.remote(op))
 
     async def run_sync(self, fn: Callable[["LLMEngine"], Any]) -> Any:
         self._check_up()

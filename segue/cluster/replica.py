@@ -8,10 +8,11 @@ themselves: leaving one early aborts its request, unless the request was detache
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Awaitable, Callable
 
+from segue.engine.calls import EngineCall, R
 from segue.engine.engine_request import EngineRequest
-from segue.engine.stats import EngineStats, LoadReport
+from segue.engine.stats import LoadReport
 from segue.outputs import RequestOutput
 from segue.sampling_params import SamplingParams
 
@@ -59,23 +60,12 @@ class EngineReplica(abc.ABC):
     def detach(self, request_id: str) -> None: ...
 
     @abc.abstractmethod
-    def abort(self, request_id: str) -> None: ...
-
-    @abc.abstractmethod
     def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None:
         """A program call's objective changed after launch (see AsyncLLMEngine)."""
 
     @abc.abstractmethod
-    async def held_token_ids(self, request_id: str) -> list[int] | None: ...
-
-    @abc.abstractmethod
-    async def expect_resume(self, request_id: str, after_s: float) -> bool: ...
-
-    @abc.abstractmethod
-    async def abandon(self, request_id: str) -> bool: ...
-
-    @abc.abstractmethod
-    async def get_stats(self) -> EngineStats: ...
+    def call(self, op: EngineCall[R]) -> Awaitable[R]:
+        """AsyncLLMEngine.call on this replica (an Abort is sent before this returns)."""
 
     @abc.abstractmethod
     async def run_sync(self, fn: Callable[["LLMEngine"], Any]) -> Any:

@@ -10,22 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncGenerator, Callable, TypeVar
+from typing import Any, AsyncGenerator, Awaitable, Callable, cast
 
 from segue.config import EngineConfig
+from segue.engine.calls import Abandon, Abort, Answered, EngineCall, ExpectResume, GetStats, HeldTokens, R
 from segue.engine.engine_request import EngineRequest
 from segue.engine.engine_thread import EngineThread, build_off_caller_thread
 from segue.engine.llm_engine import LLMEngine
 from segue.engine.model_info import ModelInfo
 from segue.engine.protocol import EngineDeadError
-from segue.engine.stats import EngineStats, LoadReport
+from segue.engine.stats import LoadReport
 from segue.engine.streams import OutputStreams
 from segue.outputs import RequestOutput
 from segue.sampling_params import InvalidRequestError, SamplingParams
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "build_off_caller_thread", "remember_early"]
-
-T = TypeVar("T")
 
 
 def remember_early(early: dict[str, bool], request_id: str, latency_sensitive: bool, limit: int = 10_000) -> None:
@@ -88,7 +87,7 @@ class AsyncLLMEngine:
         # aclosing: when this generator is closed at its yield, the consumer closes (and aborts the
         # request) now; a bare `async for` leaves that to the consumer's finalizer, which waits for
         # the garbage collector whenever a reference cycle holds it: seconds generating for nobody.
-        async with contextlib.aclosing(self.streams.consume(rid, queue, self.abort)) as outputs:
+        async with contextlib.aclosing(self.streams.consume(rid, queue, self._abort_on_close)) as outputs:
             async for item in outputs:
                 yield item
 
@@ -128,18 +127,14 @@ class AsyncLLMEngine:
         except BaseException:
             self.streams.discard(request_id)
             raise
-        async with contextlib.aclosing(self.streams.consume(request_id, queue, self.abort)) as outputs:
+        async with contextlib.aclosing(self.streams.consume(request_id, queue, self._abort_on_close)) as outputs:
             async for item in outputs:
                 yield item
 
     def detach(self, request_id: str) -> None:
         """Keep a paused request alive when its stream closes (a session holds it for a later
-        turn); it leaves only by continue_request() or abort()."""
+        turn); it leaves only by continue_request() or an Abort call."""
         self.streams.detached.add(request_id)
-
-    def abort(self, request_id: str) -> None:
-        self.streams.detached.discard(request_id)
-        self.engine_thread.submit(lambda: self.streams.deliver(self.engine.abort_request(request_id)))
 
     def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None:
         """A program's DAG grew after this call reached the engine (its map calls arrive before
@@ -155,29 +150,40 @@ class AsyncLLMEngine:
         # DurationStats takes its own lock: no need to wait for the engine thread.
         self.engine.tool_stats.set_hint(name, seconds)
 
-    # ---- paused requests and stats (EngineClient) -------------------------------------------
-    async def held_token_ids(self, request_id: str) -> list[int] | None:
-        """Read without waiting for the engine thread: a paused request's tokens change only by
-        resume(), which the holder of the request calls after this check, and a request that
-        leaves meanwhile reads as None. Waiting for the loop cost each session turn one more
-        step boundary before it could resume (up to a long prefill step)."""
-        return self.engine.paused_token_ids(request_id)
+    # ---- calls about requests, and stats (EngineClient) ------------------------------------
+    def call(self, op: EngineCall[R]) -> Awaitable[R]:
+        """The one place that says what each EngineCall does to the engine (engine/calls.py);
+        the layers above only carry calls here."""
+        return cast("Awaitable[R]", self._dispatch(op))
 
-    async def expect_resume(self, request_id: str, after_s: float) -> bool:
-        return await self._on_loop(LLMEngine.expect_resume, request_id, after_s)
+    def _dispatch(self, op: EngineCall[Any]) -> Awaitable[Any]:
+        match op:
+            case Abort(request_id=rid):
+                self.streams.detached.discard(rid)
+                self.engine_thread.submit(lambda: self.streams.deliver(self.engine.abort_request(rid)))
+                return Answered(None)
+            case HeldTokens(request_id=rid):
+                # Read without waiting for the engine thread: a paused request's tokens change only
+                # by resume(), which the holder of the request calls after this check, and a
+                # request that leaves meanwhile reads as None. Waiting for the loop cost each
+                # session turn one more step boundary before it could resume (up to a long
+                # prefill step).
+                return Answered(self.engine.paused_token_ids(rid))
+            case ExpectResume(request_id=rid, after_s=after_s):
+                return self.run_sync(lambda engine: engine.expect_resume(rid, after_s))
+            case Abandon(request_id=rid):
+                return self.run_sync(lambda engine: engine.abandon(rid))
+            case GetStats():
+                return self.run_sync(LLMEngine.stats)
+        raise TypeError(f"not an engine call: {op!r}")
 
-    async def abandon(self, request_id: str) -> bool:
-        return await self._on_loop(LLMEngine.abandon, request_id)
-
-    async def get_stats(self) -> EngineStats:
-        return await self._on_loop(LLMEngine.stats)
+    def _abort_on_close(self, request_id: str) -> None:
+        """A stream left early: its request goes (streams.consume skips detached ones)."""
+        self.call(Abort(request_id))
 
     def load_report(self) -> LoadReport:
         """The queues and KV pool now, read without waiting for the engine thread (a routing hint)."""
         return self.engine.load_report()
-
-    async def _on_loop(self, method: Callable[..., T], *args: Any) -> T:
-        return await self.run_sync(lambda engine: method(engine, *args))
 
     def forget_program(self, program_id: str) -> None:
         """A program or session ended. One engine keeps no placement for it (its KV goes with its
@@ -202,7 +208,7 @@ class AsyncLLMEngine:
         while self.streams and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         for rid in self.streams.request_ids():
-            self.abort(rid)
+            self.call(Abort(rid))
         self.engine_thread.stop()
         await asyncio.get_running_loop().run_in_executor(None, self.engine_thread.thread.join, 10)
 

@@ -3,8 +3,9 @@
 One typed seam; a new request crosses it as one EngineRequest (engine/engine_request.py). Two
 implementations: AsyncLLMEngine (one engine on its own thread) and cluster.EnginePool (several
 replicas behind a router). Nothing above this seam reads engine or
-scheduler internals: each question the server has (the tokens a paused request holds, a hint
-about when it resumes, a metrics snapshot) is a named method here, answered on the engine's side.
+scheduler internals: each question the server has about a request (the tokens a paused request
+holds, a hint about when it resumes) or the engine (a metrics snapshot) is an EngineCall
+(engine/calls.py) sent through `call`, answered on the engine's side.
 tests/test_architecture.py checks that the server imports nothing else of the engine.
 
 Methods that touch requests are safe from the event loop; the ones marked "blocking" tokenize or
@@ -12,11 +13,11 @@ render and belong in a worker thread (the server's ServingContext.in_thread).
 """
 from __future__ import annotations
 
-from typing import AsyncGenerator, Protocol, runtime_checkable
+from typing import AsyncGenerator, Awaitable, Protocol, runtime_checkable
 
+from segue.engine.calls import EngineCall, R
 from segue.engine.engine_request import EngineRequest
 from segue.engine.model_info import ModelInfo
-from segue.engine.stats import EngineStats
 from segue.outputs import RequestOutput
 from segue.sampling_params import SamplingParams
 
@@ -59,22 +60,13 @@ class EngineClient(Protocol):
         """Resume a paused request whose stream is still open (a server-side tool returned)."""
 
     def detach(self, request_id: str) -> None:
-        """Keep a paused request when its stream closes; it leaves by continue_request or abort."""
+        """Keep a paused request when its stream closes; it leaves by continue_request or Abort."""
 
-    def abort(self, request_id: str) -> None: ...
-
-    # ---- paused requests --------------------------------------------------------------------
-    async def held_token_ids(self, request_id: str) -> list[int] | None:
-        """The token ids a paused request holds (what a continuation extends); None if it is not
-        paused (finished, aborted, or its engine restarted)."""
-
-    async def expect_resume(self, request_id: str, after_s: float) -> bool:
-        """A caller's estimate of a pause: resumed `after_s` seconds after it began (math.inf:
-        never). The interception policy and block eviction use it. False if it is not paused."""
-
-    async def abandon(self, request_id: str) -> bool:
-        """Nobody is expected to continue this paused request soon: its device memory goes back to
-        the pool, its blocks stay findable in the prefix cache. False if it is not paused."""
+    # ---- calls about requests (abort, paused requests) and stats --------------------------
+    def call(self, op: EngineCall[R]) -> Awaitable[R]:
+        """`op` (engine/calls.py) for the engine; awaiting the result gives its answer. An Abort is
+        sent before call() returns and answered at once: aborts never wait, so callers (a closing
+        stream, a session dropping its held turn) may drop the result."""
 
     # ---- scheduling hints -------------------------------------------------------------------
     def set_latency_sensitive(self, request_id: str, latency_sensitive: bool) -> None: ...
@@ -86,9 +78,6 @@ class EngineClient(Protocol):
         """A program (session) ended: nothing need stay together for it any more."""
 
     # ---- observability and life cycle -------------------------------------------------------
-    async def get_stats(self) -> EngineStats:
-        """A snapshot between steps (a pool's is the sum over its live replicas)."""
-
     @property
     def is_running(self) -> bool: ...
 

@@ -8,14 +8,16 @@ SiLU-gating), which in torch form are dozens of small ops per layer. When the bu
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
-import time
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 from segue.model.kernel_table import cpu_identity
 
@@ -27,11 +29,6 @@ _SOURCES = [Path(__file__).parent / "csrc" / name
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("avx2_common.h", "prefill_bf16.h")]
 _GGUF_SOURCES = [Path(__file__).parent / "csrc" / "gguf_ops.cpp"]
 _GGUF_HEADERS = [Path(__file__).parent / "csrc" / "gguf_bf16.h"]
-
-
-# torch's builder waits for ever on a lock file that a killed build left behind; a real build of
-# these sources takes minutes, so a lock this old has no builder behind it.
-_STALE_LOCK_S = 20 * 60
 
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
@@ -51,29 +48,38 @@ def _module_name(prefix: str = "segue_cpu_kernels", sources: list[Path] = _SOURC
     return f"{prefix}_{digest.hexdigest()[:12]}"
 
 
-def _clear_stale_lock(name: str) -> None:
+@contextmanager
+def _builder_lock(name: str) -> Iterator[None]:
+    """Held while this process builds or loads `name`. torch's builder marks a build with a lock
+    file and waits for ever on one that a killed build left behind; an flock goes with its process,
+    so once it is held no live builder is behind such a file and it is removed. A second server
+    starting during a build waits here, and says so, instead of hanging silently."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    fd = os.open(build_dir / "segue-build.flock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        from torch.utils.cpp_extension import _get_build_directory
-    except ImportError:  # a torch without the helper: nothing to clean, the build still runs
-        return
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > _STALE_LOCK_S:
-        logger.warning("removing a CPU-kernel build lock left %.0f min ago by a build that never finished: %s",
-                       age / 60, lock)
-        lock.unlink(missing_ok=True)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("another process is building the CPU kernels (%s): waiting for it", name)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        torch_lock = build_dir / "lock"
+        if torch_lock.exists():
+            logger.warning("removing a CPU-kernel build lock left by a build that never finished: %s", torch_lock)
+            torch_lock.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def _build(prefix: str, sources: list[Path], headers: list[Path]) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     name = _module_name(prefix, sources, headers)
-    _clear_stale_lock(name)
-    return load(name=name, sources=[str(p) for p in sources], extra_cflags=_CFLAGS,
-                extra_ldflags=["-fopenmp"], verbose=False)
+    with _builder_lock(name):
+        return load(name=name, sources=[str(p) for p in sources], extra_cflags=_CFLAGS,
+                    extra_ldflags=["-fopenmp"], verbose=False)
 
 
 @lru_cache(maxsize=1)

@@ -7,7 +7,8 @@ the order decides who gets memory first). Under a preemptive policy the waiting 
 the requests that lost this step with their KV, so stopping would leave a full pool idle;
 instead requests that already hold KV keep running within the free blocks (they hold what the
 head waits for, and finishing gives it back). Only when nothing at all can run does the head
-take memory from waiting holders by discarding it (they recompute later)."""
+take memory from waiting holders by discarding it (they recompute later). Who gives memory to
+whom at each of admission's sites: sched/memory_table.py."""
 from __future__ import annotations
 
 import enum
@@ -16,10 +17,11 @@ from dataclasses import dataclass, field
 
 from segue.kv.interface import NO_HIT, PrefixHit
 from segue.request import Request, RequestStatus
+from segue.sched.latency_capacity import LatencyCapacity
+from segue.sched.memory import free_for_admission, free_for_holder, free_for_idle_step
 from segue.sched.newcomers import newcomers_first
 from segue.sched.output import SchedulerOutput
-from segue.sched.preemption import Room, make_room
-from segue.sched.reclaim import load_host_hits, release_waiting_kv, room_for_holder
+from segue.sched.preemption import swap_budget_blocks
 from segue.sched.state import SchedulerState
 from segue.sched.thrashing import Fit, fit_beside_agents, running_needs, still_needed
 
@@ -46,37 +48,7 @@ class _Blocked:
     num_new: int
     hit: PrefixHit = NO_HIT
     need: int = 0
-    swapping: bool = False  # make_room started swap-outs for it
-
-
-@dataclass
-class LatencyCapacity:
-    """Parrot's capacity threshold: the tokens of all running requests' contexts. While any
-    latency-sensitive request runs (or would join), admission stays within
-    `latency_capacity_tokens`, because each decode step's time grows with the batch's tokens; a
-    batch of throughput work alone may fill the pool. A lone request always runs."""
-    limit: int
-    tokens: int
-    latency_running: bool
-    count: int
-
-    @classmethod
-    def of(cls, sched: SchedulerState) -> LatencyCapacity | None:
-        limit = sched.config.latency_capacity_tokens
-        if limit is None:
-            return None
-        return cls(limit, sum(r.num_tokens for r in sched.running),
-                   any(r.latency_sensitive for r in sched.running), len(sched.running))
-
-    def admits(self, req: Request) -> bool:
-        if self.count == 0 or not (self.latency_running or req.latency_sensitive):
-            return True
-        return self.tokens + req.num_tokens <= self.limit
-
-    def add(self, req: Request) -> None:
-        self.tokens += req.num_tokens
-        self.latency_running = self.latency_running or req.latency_sensitive
-        self.count += 1
+    swapping: bool = False  # lower-ranked holders are being swapped out for it (sched/memory.py)
 
 
 @dataclass
@@ -112,7 +84,7 @@ class Admission:
         self.capacity = LatencyCapacity.of(sched)
         if sched.agents is not None and not self.preemptive:
             # Preemptive orders admit into a full pool on purpose: their head takes memory from
-            # lower-ranked holders (make_room), which a whole-prompt test would never let it reach.
+            # lower-ranked holders (sched/memory.py), which a whole-prompt test would never let it reach.
             self.committed = running_needs(sched)
             # Resumed requests waiting to swap in go before newcomers: their host parts are spoken for.
             self.committed += sum(sched.kv.held(r.request_id).host for r in sched.paused.swapped)
@@ -159,7 +131,7 @@ class Admission:
         if self.budget <= 0 or len(sched.running) >= sched.config.max_num_seqs:
             return AddResult.NO_TOKEN
         if req.status == RequestStatus.SWAPPED:
-            return AddResult.SKIPPED  # swapped out by make_room for the blocked head
+            return AddResult.SKIPPED  # swapped out for the blocked head
         if self.blocked is not None and not sched.kv.held(req.request_id).device:
             return AddResult.SKIPPED
         if self.capacity is not None and not self.capacity.admits(req):
@@ -201,12 +173,12 @@ class Admission:
         return AddResult.ADMITTED
 
     def _make_room(self, req: Request, num_new: int, hit: PrefixHit) -> AddResult | None:
-        """Free memory for a request that did not fit; None when it now has its blocks."""
+        """Free memory for a request that did not fit (sched/memory.py); None when it now has its blocks."""
         sched = self.sched
         if self.blocked is not None:
             # Behind the blocked head, a holder that cannot grow takes the blocks from holders
             # that rank below it: with every holder stuck, a full pool would run nothing.
-            if self.preemptive and room_for_holder(sched, req, num_new, self.out) and self.allocate(req, num_new, hit):
+            if self.preemptive and free_for_holder(sched, req, num_new, self.out) and self.allocate(req, num_new, hit):
                 return None
             return AddResult.SKIPPED
         # The free blocks it takes: fresh blocks for its new tokens (num_blocks_needed counts
@@ -214,20 +186,12 @@ class Admission:
         # list. Not the watermark: discarding paused contexts to keep headroom defeats the
         # headroom (measured: more recompute).
         need = sched.kv.num_blocks_needed(req, num_new) + hit.num_free()
-        freed = sched.paused.release_for_memory(need, sched.now)
-        if sched.agents is not None and not (self.scheduled or sched.running) and self.free_blocks < need:
-            # Nothing runs: retained histories are the only memory that could ever come free.
-            freed += sched.agents.release_for_memory(need - self.free_blocks, sched.now)
-        self.blocked = blocked = _Blocked(req, num_new, hit, need)
-        if self.preemptive and self.free_blocks < need:
-            blocked.swapping = make_room(sched, req, need, self.out) is Room.IN_FLIGHT
-        if blocked.swapping:
+        room = free_for_admission(sched, req, need, not (self.scheduled or sched.running), self.out)
+        self.blocked = _Blocked(req, num_new, hit, need, swapping=room.in_flight)
+        if room.in_flight:
             return AddResult.SWAPPING  # swap-outs free the memory by the next step
-        if self.preemptive:
-            if not (freed and self.allocate(req, num_new, hit)):
-                return AddResult.SKIPPED
-        elif not ((freed or release_waiting_kv(sched, req, need)) and self.allocate(req, num_new, hit)):
-            return AddResult.NO_MEMORY
+        if not (room.gave and self.allocate(req, num_new, hit)):
+            return AddResult.SKIPPED if self.preemptive else AddResult.NO_MEMORY
         self.blocked = None
         return None
 
@@ -246,7 +210,7 @@ class Admission:
         b = self.blocked
         if self.preemptive and b is not None and not b.swapping and not self.scheduled:
             # Nothing ran: without a discard, nothing would ever free memory.
-            if release_waiting_kv(self.sched, b.request, b.need) and self.allocate(b.request, b.num_new, b.hit):
+            if free_for_idle_step(self.sched, b.request, b.need) and self.allocate(b.request, b.num_new, b.hit):
                 _admit(self.sched, b.request, b.num_new, b.hit.num_tokens, self.scheduled)
                 self.budget -= b.num_new
         return self.budget
@@ -292,3 +256,32 @@ def _is_resident_decode(sched: SchedulerState, req: Request) -> bool:
     # Cheapest test first: under overload most waiting requests have computed nothing.
     return (req.num_computed_tokens > 0 and req.status != RequestStatus.SWAPPED
             and req.num_tokens - req.num_computed_tokens == 1 and sched.kv.held(req.request_id).device > 0)
+
+
+def load_host_hits(sched: SchedulerState, req: Request, device_hit: PrefixHit, out: SchedulerOutput) -> bool:
+    """A request whose prefix goes on past its device hits into the host tier takes those
+    host blocks and swaps them in like a resumed swapped-out request (the first chunk now,
+    the rest within later steps' swap limits, before it runs) instead of recomputing them.
+    Only when this step can start the copy (a step that only queued it would look idle) and
+    the device has room for the whole host part now: a load started into a nearly full pool
+    holds its first blocks for steps while the running requests' growth preempts others
+    (simulator, Mooncake conversation trace at gptj-6b-a100, reuse-keyed eviction: mean TTFT
+    36.7 s without this rule, 33.7 s with it; LRU 34.0 and 33.9 s; BENCHMARKS.md).
+    True if it did."""
+    hit = sched.kv.match_host(req, device_hit)
+    if not hit.num_host_blocks:
+        return False
+    budget = swap_budget_blocks(sched)
+    free = sched.kv.counters().num_free_blocks - hit.num_free()
+    if budget <= 0 or free < hit.num_host_blocks:
+        return False
+    sched.kv.attach_host_hit(req, hit)
+    if sched.agents is not None:
+        sched.agents.on_admitted(req)
+    if req.num_cached_tokens < 0:
+        req.num_cached_tokens = req.num_computed_tokens
+        sched.prefix_hit_tokens += req.num_computed_tokens
+        sched.prefix_query_tokens += req.num_prompt_tokens
+    sched.waiting.remove(req)
+    out.blocks_to_swap_in += sched.paused.begin_swap_in(req, budget)
+    return True

@@ -1,23 +1,19 @@
-"""Memory under a preemptive ordering policy (FastServe §4.2): how lower-priority requests give up
-device KV when a higher-priority one needs it, and the proactive swap-out that keeps a reserve
-free for arrivals. Used by the Scheduler; pure Python."""
+"""Who gives up device KV under a preemptive ordering policy (FastServe §4.2), and in what order:
+the lower-ranked holders a higher-ranked request swaps out, the holders a head discards when
+nothing runs, and the longest-waiting holders swapped out to keep a reserve for arrivals. Only
+choices: the memory they give is taken by sched/memory.py, at the site that asks. Pure Python."""
 from __future__ import annotations
 
-import enum
+from collections.abc import Iterator
 
-from segue.request import Request, RequestStatus
+from segue.request import Request
 from segue.sched.output import SchedulerOutput
 from segue.sched.state import SchedulerState
 
 
-class Room(enum.Enum):
-    IN_FLIGHT = "in_flight"  # swap-outs free the blocks when this step's copies are done
-    NONE = "none"            # nothing to take: the head waits (vLLM's behaviour)
-
-
-def make_room(sched: SchedulerState, head: Request, need: int, out: SchedulerOutput) -> Room:
-    """Preemptive policies: swap out lower-priority requests that are not running this step, in
-    the policy's preemption order, to free `need` device blocks for `head`.
+def swap_victims(sched: SchedulerState, head: Request, need: int) -> list[Request]:
+    """Lower-priority requests not running this step to swap out, in the policy's preemption
+    order, so that `need` device blocks come free for `head`; empty when the head must wait.
 
     They are never dropped to recompute: under overload, killing pending requests to admit new
     ones restarts them over and over (FastServe's second strawman); when the host pool is full
@@ -28,7 +24,7 @@ def make_room(sched: SchedulerState, head: Request, need: int, out: SchedulerOut
     pools = sched.kv.counters()
     deficit = need - pools.num_free_blocks
     if not pools.has_host_tier or pools.num_free_host_blocks < deficit:
-        return Room.NONE
+        return []
     holders = holders_below(sched, head, partly_swapped_in=True)
     # Whole victims: a request left half on the device could not run and would hold memory.
     budget = swap_budget_blocks(sched)
@@ -41,12 +37,7 @@ def make_room(sched: SchedulerState, head: Request, need: int, out: SchedulerOut
         if blocks and room + blocks <= min(pools.num_free_host_blocks, budget):
             chosen.append(victim)
             room += blocks
-    if not chosen:
-        return Room.NONE
-    for victim in chosen:
-        swap_out(sched, victim, sched.kv.num_private_blocks_of(victim.request_id), out)
-    sched.earmarked_blocks += need
-    return Room.IN_FLIGHT
+    return chosen
 
 
 def holders_below(sched: SchedulerState, req: Request, partly_swapped_in: bool) -> list[Request]:
@@ -59,31 +50,29 @@ def holders_below(sched: SchedulerState, req: Request, partly_swapped_in: bool) 
     return [r for r in candidates if r is not req and sched.policy.key(r, sched.now) > key]
 
 
+def discard_order(sched: SchedulerState) -> list[Request]:
+    """The holders a head that nothing else will make room for discards, first to last:
+    partly swapped-in requests first (their host prefix is kept; the device part will be
+    recomputed after it), the policy's first victim first, then waiting holders from the back
+    of the queue."""
+    partly_in = [r for r in sched.paused.swapped if sched.kv.held(r.request_id).device]
+    return (sched.policy.preemption_order(partly_in, sched.now)
+            + list(reversed(list(sched.policy.order(sched.waiting_holders(), sched.now)))))
+
+
 def swap_budget_blocks(sched: SchedulerState) -> int:
     """Blocks the link can still copy behind this step's compute: what this step's swap-ins,
     swap-outs and write-backs so far have left of its budget (KVCounters.link_budget)."""
     return sched.kv.counters().link_budget
 
 
-def swap_out(sched: SchedulerState, req: Request, max_blocks: int, out: SchedulerOutput) -> int:
-    """Move up to max_blocks of a waiting or swapped request's device KV to the host; a waiting
-    one joins the swapped requests (swapped back in before it runs again). Blocks moved."""
-    moved = sched.kv.swap_out(req, max_blocks)
-    # Counted in blocks moved, not copies: a block the host tier still holds moves without a
-    # copy, and the request must leave the waiting queue all the same.
-    if moved.blocks and req.status != RequestStatus.SWAPPED:
-        sched.waiting.remove(req)
-        req.status = RequestStatus.SWAPPED
-        sched.paused.swapped.append(req)
-    out.blocks_to_swap_out += moved.copies
-    return moved.blocks
-
-
-def keep_reserve(sched: SchedulerState, out: SchedulerOutput, reserve: int, now: float) -> None:
-    """Proactive swapping (FastServe §4.2): keep `reserve` device blocks free for arrivals, and
-    room for the swapped request expected to run soonest when it outranks a resident one, by
-    swapping out the requests that wait the longest, within what the link moves during this
-    step so the copies hide behind its compute. Requests go out whole or not at all."""
+def reserve_victims(sched: SchedulerState, out: SchedulerOutput, reserve: int,
+                    now: float) -> Iterator[tuple[Request, int]]:
+    """Proactive swapping (FastServe §4.2): the requests to swap out, with their blocks, to keep
+    `reserve` device blocks free for arrivals, and room for the swapped request expected to run
+    soonest when it outranks a resident one: those that wait the longest, within what the link
+    moves during this step so the copies hide behind its compute. Requests go out whole or not at
+    all. Lazy: each is chosen after the one before it was swapped out."""
     budget = swap_budget_blocks(sched)
     if budget <= 0 or sched.kv.counters().num_free_host_blocks == 0:
         return  # nothing can move this step; ranking an overloaded queue would be wasted work
@@ -110,6 +99,6 @@ def keep_reserve(sched: SchedulerState, out: SchedulerOutput, reserve: int, now:
         host_free = sched.kv.counters().num_free_host_blocks
         if not blocks or blocks > budget or blocks > host_free:
             continue  # whole requests only, and only what hides behind this step's compute
-        swap_out(sched, req, blocks, out)
+        yield req, blocks
         budget -= blocks
         deficit -= blocks

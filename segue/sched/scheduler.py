@@ -15,10 +15,10 @@ from segue.sched.admission import admit_waiting
 from segue.sched.cost_model import CostModel
 from segue.sched.failed_copies import forget_failed_copies
 from segue.sched.interception import InterceptionPolicy
+from segue.sched.memory import free_for_running, free_for_swap_in, keep_reserve
 from segue.sched.newcomers import is_newcomer
 from segue.sched.output import ScheduledSeq, SchedulerOutput
 from segue.sched.policies import SchedulingPolicy
-from segue.sched.preemption import keep_reserve
 from segue.sched.request_update import Outcome, RequestUpdate
 from segue.sched.state import SchedulerState
 from segue.sched.thrashing import rejoin_resident, running_needs
@@ -100,16 +100,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.state.requests)
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute-style preemption: drop the KV, keep the tokens, wait again."""
-        self.state.running.remove(request)
-        self.state.kv.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.state.num_preemptions_total += 1
-        self.state.waiting.append(request)
-
     # ---- one step ------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         """One step: plan the link's copies, then give the token budget to the running requests
@@ -134,7 +124,7 @@ class Scheduler:
             admit_waiting(state, out, budget, scheduled)
         self._emit(now, out, scheduled)
         if reserve > 0:
-            keep_reserve(state, out, reserve, now)
+            keep_reserve(state, out, reserve)
         out.blocks_to_back_up = state.kv.take_back_ups()
         return out
 
@@ -156,16 +146,8 @@ class Scheduler:
         # One budget for every copy of the step: the paused requests' swaps are planned first,
         # then host-tier hits, preemptive swap-outs and write-backs of evicted cached blocks
         # take what is left, in the order the step reaches them.
-        if state.agents is not None and state.paused.swapped and not state.running:
-            # Nothing runs, so nothing else will free memory for the swap-in that waits: a
-            # retained history gives it room rather than the pool idling until the history
-            # expires. (With requests running, swap-ins wait for memory as other requests do:
-            # taking it from retained histories there cascaded, each history loaded back from the
-            # host taking the next one's room; pressure preset, real engine.)
-            head = state.paused.swapped[0].request_id
-            short = state.kv.held(head).host + keep_free - state.kv.counters().num_free_blocks
-            if short > 0:
-                state.agents.release_for_memory(short, now)
+        # Nothing runs: a retained history may give the swap-in that waits its room.
+        free_for_swap_in(state, keep_free)
         state.kv.open_link(state.cost.swap_limit(state.last_batch_tokens) // state.kv.block_size)
         plan = state.paused.plan(now, running_tokens, len(state.running), keep_free_blocks=keep_free)
         out.blocks_to_swap_out, out.blocks_to_swap_in = plan.swap_out, plan.swap_in
@@ -191,7 +173,7 @@ class Scheduler:
     def _schedule_running(self, now: float, out: SchedulerOutput, scheduled: list[tuple[Request, int]],
                           budget: int) -> int:
         """Give each running request its next tokens within `budget`, freeing memory when one does
-        not fit (paused contexts, then retained histories, then preemption in the policy's order).
+        not fit (sched/memory_table.py, Site.RUNNING).
         Appends to `scheduled`; returns the budget left."""
         state = self.state
         i = 0
@@ -199,17 +181,8 @@ class Scheduler:
             req = state.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not state.kv.allocate_slots(req, num_new):
-                need = state.kv.num_blocks_needed(req, num_new)
-                if state.paused.release_for_memory(need, now):
-                    continue
-                # A history retained for an agent's next turn goes before a running request's.
-                if state.agents is not None and state.agents.release_for_memory(need, now):
-                    continue
                 # Only requests not yet scheduled this step may give way (the current one included).
-                victim = state.policy.preemption_order(state.running[i:], now)[0]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
+                if free_for_running(state, req, num_new, state.running[i:], out) is req:
                     break
             else:
                 scheduled.append((req, num_new))

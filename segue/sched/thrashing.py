@@ -22,6 +22,8 @@ import math
 
 from segue.kv.interface import PrefixHit
 from segue.request import Request, RequestStatus
+from segue.sched.memory import free_for_thrashing
+from segue.sched.memory_table import Source
 from segue.sched.newcomers import is_overdue
 from segue.sched.state import SchedulerState
 
@@ -95,23 +97,16 @@ def fit_beside_agents(sched: SchedulerState, req: Request, hit: PrefixHit, commi
     overdue = is_overdue(sched, req)
     past = overdue or _past_bound(sched, req, short)
     holds = req.num_computed_tokens > 0
-    keep = agents.agent_of(req)
-    # Not `or overdue`: a timer never decides a paused context's fate (see the docstring).
-    paused = sched.paused.releasable() if holds else []
-    histories = agents.releasable(keep) if past or holds or agents.is_resident(req) else []
-    # All or nothing: a release that leaves the request waiting destroys others' KV for no
-    # admission, and the same candidate asks again next step, so it would cascade through every
-    # history and paused context while the request still waits for running ones to finish.
-    if (paused or histories) and sched.kv.num_freed_by_release(paused, histories, hit) >= short:
-        # Each release is repeated: a freed block that is one of the hits counts as freed but
-        # gives no room. Paused contexts first: they make no progress with their memory.
-        while short > 0 and paused and sched.paused.release_for_memory(short, sched.now):
-            short = _shortfall(sched, req, hit, committed)
-        while short > 0 and histories and agents.release_for_memory(short, sched.now, keep=keep):
-            short = _shortfall(sched, req, hit, committed)
-        if short <= 0:
-            return Fit.FITS
-        past = overdue or _past_bound(sched, req, short)
+    allowed = set()
+    if holds:  # not `or overdue`: a timer never decides a paused context's fate (see the docstring)
+        allowed.add(Source.PAUSED)
+    if past or holds or agents.is_resident(req):
+        allowed.add(Source.HISTORIES)
+    left = free_for_thrashing(sched, hit, lambda: _shortfall(sched, req, hit, committed), frozenset(allowed),
+                              agents.agent_of(req))
+    if left <= 0:
+        return Fit.FITS
+    past = overdue or _past_bound(sched, req, left)
     return Fit.STARVES if past else Fit.WAITS
 
 

@@ -30,6 +30,7 @@ import json
 import logging
 from typing import Any
 
+from segue.engine.calls import Abandon, ExpectResume
 from segue.engine.protocol import EngineClient
 from segue.server.sessions import Session, SessionStore
 
@@ -159,9 +160,9 @@ class AutoContinuation:
         if not announce and not release:
             return
         for rid in announce:
-            await self.engine.expect_resume(rid, self.gap_s)
+            await self.engine.call(ExpectResume(rid, self.gap_s))
         for rid in release:
-            await self.engine.abandon(rid)
+            await self.engine.call(Abandon(rid))
 
     async def run(self, period_s: float) -> None:
         """Background sweep (started by the app's lifespan)."""

@@ -28,6 +28,7 @@ from typing import Any
 
 from fastapi import Request
 
+from segue.engine.calls import Abort, HeldTokens
 from segue.engine.engine_request import EngineRequest
 from segue.outputs import RequestOutput
 from segue.program.registry import scoped_program_id
@@ -70,7 +71,7 @@ async def continue_held(ctx: ServingContext, request: Request, body: ChatComplet
     history = [normalize(m) for m in body.messages]
     if len(history) <= n or history[:n] != session.transcript or setup.tools != held.conversation.tools:
         return None
-    if await ctx.engine.held_token_ids(held.request_id) != held.token_ids:
+    if await ctx.engine.call(HeldTokens(held.request_id)) != held.token_ids:
         return None
     held_conv = held.conversation
     new_messages = held_conv.server_results + ctx.renderer.template_messages(body.messages[n:])
@@ -146,11 +147,11 @@ async def start_turn(ctx: ServingContext, request: Request, body: ChatCompletion
         try:
             turn = await continue_held(ctx, request, body, setup, session, held, deadline)  # type: ignore[arg-type]
         except BaseException:
-            ctx.engine.abort(held.request_id)
+            ctx.engine.call(Abort(held.request_id))
             raise
         if turn is not None:
             return turn
-        ctx.engine.abort(held.request_id)
+        ctx.engine.call(Abort(held.request_id))
     return await start_fresh(ctx, request, body, setup, session, tenant, deadline)
 
 

@@ -8,6 +8,7 @@ from typing import Any, Callable, TypeVar
 
 from fastapi import Request
 
+from segue.engine.calls import Abort
 from segue.engine.protocol import EngineClient
 from segue.server.auto_continue import AutoContinuation
 from segue.server.config import ServerConfig
@@ -43,7 +44,10 @@ class ServingContext:
         # The model's recommended sampling settings, for what a client leaves out.
         self.generation_defaults: dict[str, Any] = dict(info.generation_defaults)
         self.renderer = ChatRenderer(self.engine.apply_chat_template, info.chat_template)
-        self.sessions = SessionStore(self.engine.abort, self.config.session_ttl_s, self.config.max_sessions,
+
+        def abort(request_id: str) -> None:
+            self.engine.call(Abort(request_id))  # answered at once: nothing to await
+        self.sessions = SessionStore(abort, self.config.session_ttl_s, self.config.max_sessions,
                                      forget_program=self.engine.forget_program)
         self.auto = (AutoContinuation(self.sessions, self.engine, self.config.auto_continue_release_s,
                                       self.config.auto_continue_ttl_s) if self.config.auto_continue else None)

@@ -2,7 +2,7 @@
 
 Server-side events (requests, latencies, tool calls) are counted as they happen. Engine state
 (queues, KV, waste, preemptions, prefix cache, tool durations) is read at scrape time in one
-EngineClient.get_stats() call: a consistent snapshot between steps, and no per-step cost.
+EngineClient GetStats call: a consistent snapshot between steps, and no per-step cost.
 Each app has its own registry so several apps (tests) can share a process.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from segue.engine.calls import GetStats
 from segue.engine.stats import AccuracySnapshot, EngineStats, PausedKV
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ class ServerMetrics:
 
     async def render(self) -> bytes:
         try:
-            self.engine.snapshot = await self.ctx.engine.get_stats()
+            self.engine.snapshot = await self.ctx.engine.call(GetStats())
         except Exception:  # engine gone: still serve the server-side metrics
             self.engine.snapshot = None
         return generate_latest(self.registry)

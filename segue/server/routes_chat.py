@@ -18,6 +18,7 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request, Response
 from starlette.responses import JSONResponse
 
+from segue.engine.calls import Abort
 from segue.server import responses as r
 from segue.server.auth import tenant_of
 from segue.server.auto_continue import auto_eligible
@@ -76,7 +77,7 @@ class TurnBookkeeping:
                 # No room for another session: the turn ends as a plain one would, not held (the
                 # client's next turn starts fresh from the full history).
                 if end.held is not None:
-                    self.ctx.engine.abort(end.held.request_id)
+                    self.ctx.engine.call(Abort(end.held.request_id))
                 return None
         # The assistant message exactly as the client got it, which is what it will send back.
         calls = [ToolCallIn.model_validate(c.model_dump()) for c in _tool_calls_out(end.tool_calls)]

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
+from segue.engine.calls import ExpectResume
 from segue.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from segue.sampling_params import InvalidRequestError
 from segue.server.chat_tools import ToolSetup
@@ -191,7 +192,7 @@ class ChatTurn:
         self.ctx.engine.detach(self.request_id)
         end.held = self._held(out, c, [], end_text=end_text, rerender=not end_text)
         if self.expected_tool_seconds is not None:  # here: how long the human (or client) takes
-            await self.ctx.engine.expect_resume(self.request_id, self.expected_tool_seconds)
+            await self.ctx.engine.call(ExpectResume(self.request_id, self.expected_tool_seconds))
         return end
 
     def _held(self, out: RequestOutput, c: CompletionOutput, server_results: list[dict[str, Any]],
@@ -225,7 +226,7 @@ class ChatTurn:
             self.ctx.engine.detach(self.request_id)
             held = self._held(out, c, results)
             if self.expected_tool_seconds is not None:
-                await self.ctx.engine.expect_resume(self.request_id, self.expected_tool_seconds)
+                await self.ctx.engine.call(ExpectResume(self.request_id, self.expected_tool_seconds))
             return self._end(out, "tool_calls", client_calls, held)
         tokens: list[int] = []
         if results:

@@ -7,8 +7,10 @@ across the replica boundary, KV freed and engine invariants held afterwards, a c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
+import math
 import sys
 from typing import Any, Iterator
 
@@ -21,10 +23,11 @@ from segue.cluster import build_local_pool, build_ray_pool
 from segue.cluster.local_replica import LocalReplica
 from segue.cluster.pool import EnginePool
 from segue.cluster.ray_runtime import start_local_ray
-from segue.cluster.replica import engine_census
+from segue.cluster.replica import EngineReplica, engine_census
 from segue.cluster.router import LoadReport, PlacementReason
 from segue.config import EngineConfig, ModelLoadConfig
 from segue.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from segue.engine.calls import Abandon, Abort, EngineCall, ExpectResume, GetStats, HeldTokens
 from segue.engine.engine_request import EngineRequest, RequestHints
 from segue.engine.llm_engine import LLMEngine
 from segue.outputs import RequestOutput
@@ -99,6 +102,11 @@ def pool(request: pytest.FixtureRequest, config: EngineConfig) -> Iterator[Engin
     asyncio.run(p.shutdown())
     if stop is not None:
         stop()
+
+
+async def ask(target: EnginePool | EngineReplica, op: EngineCall[Any]) -> Any:
+    """A call's answer, on a loop of its own (an engine's call() may need a running loop)."""
+    return await target.call(op)
 
 
 async def collect(gen: Any) -> list[RequestOutput]:
@@ -198,7 +206,7 @@ def test_abort_frees_kv_on_the_replica(pool: EnginePool) -> None:
                                                      "ab-1")):
             outputs.append(out)
             if len(outputs) == 2:
-                pool.abort("ab-1")
+                pool.call(Abort("ab-1"))
         return outputs[-1]
     last = asyncio.run(run())
     assert last.finished and last.outputs[0].finish_reason == "abort"
@@ -233,7 +241,7 @@ def test_objective_updates_reach_the_replica(pool: EnginePool) -> None:
                 value = await pool.run_sync(_latency_sensitive("obj-1"), request_id="obj-1")
                 if value:  # applied between two steps
                     seen.append(value)
-                    pool.abort("obj-1")
+                    pool.call(Abort("obj-1"))
         return seen
     assert asyncio.run(run()) == [False, True]
     assert_idle(pool)
@@ -278,6 +286,48 @@ def test_detached_request_continues_on_its_replica(pool: EnginePool) -> None:
         asyncio.run(pool.run_sync(uninstall_calls))
 
 
+def _expected_duration(rid: str) -> Any:
+    return lambda llm: llm.scheduler.state.requests[rid].interception.expected_duration
+
+
+def test_calls_about_a_paused_request_reach_its_replica(pool: EnginePool) -> None:
+    """Each EngineCall goes through the pool and the replica (in process, or pickled into a Ray
+    actor and back) to the engine's request, and its answer comes back typed; once the request is
+    gone the pool answers for it."""
+    call = pool.encode('<tool_call>{"name": "lookup", "arguments": {}}</tool_call>')
+    asyncio.run(pool.run_sync(functools.partial(install_calls, rid="q-1", call=call, calls=1)))
+
+    async def scenario() -> tuple[Any, ...]:
+        request = EngineRequest("Call a tool, please.", SamplingParams(max_tokens=len(call) + 8, **GREEDY), "q-1",
+                                tool_format=HERMES)
+        paused = None
+        async with contextlib.aclosing(pool.generate(request)) as outs:
+            async for out in outs:
+                if out.paused:
+                    pool.detach("q-1")
+                    paused = out
+                    break
+        assert paused is not None, "the request never paused"
+        held = await pool.call(HeldTokens("q-1"))
+        expected = await pool.call(ExpectResume("q-1", 7.0))
+        duration = await pool.run_sync(_expected_duration("q-1"), request_id="q-1")
+        abandoned = await pool.call(Abandon("q-1"))
+        after = await pool.run_sync(_expected_duration("q-1"), request_id="q-1")
+        pool.call(Abort("q-1"))  # not awaited: an abort's answer is ready at once
+        gone = (await pool.call(HeldTokens("q-1")), await pool.call(ExpectResume("q-1", 1.0)),
+                await pool.call(Abandon("q-1")))
+        return paused, held, expected, duration, abandoned, after, gone
+    try:
+        paused, held, expected, duration, abandoned, after, gone = asyncio.run(scenario())
+        assert held == list(paused.prompt_token_ids) + list(paused.outputs[0].token_ids)
+        assert expected is True and duration == pytest.approx(7.0)
+        assert abandoned is True and after == math.inf
+        assert gone == (None, False, False) and pool.owner_of("q-1") is None
+        assert_idle(pool)
+    finally:
+        asyncio.run(pool.run_sync(uninstall_calls))
+
+
 def test_server_over_the_pool(pool: EnginePool) -> None:
     app = create_app(pool)  # type: ignore[arg-type]  (the pool presents the engine interface)
     with ServerThread(app) as server:
@@ -289,14 +339,14 @@ def test_server_over_the_pool(pool: EnginePool) -> None:
         metrics = httpx.get(server.url + "/metrics").text
         total = [line for line in metrics.splitlines()
                  if line.startswith('segue_kv_blocks{kind="total",pool="device"}')]
-        blocks = [asyncio.run(r.get_stats()).device_blocks_total for r in pool.replicas]
+        blocks = [asyncio.run(ask(r, GetStats())).device_blocks_total for r in pool.replicas]
         assert total and float(total[0].split()[-1]) == sum(blocks) > 0  # summed over the replicas
     assert_idle(pool)
 
 
 def test_snapshot_dead_replica_and_shutdown(pool: EnginePool) -> None:
-    snap = asyncio.run(pool.get_stats())
-    per = [asyncio.run(r.get_stats()) for r in pool.replicas]
+    snap = asyncio.run(ask(pool, GetStats()))
+    per = [asyncio.run(ask(r, GetStats())) for r in pool.replicas]
     assert snap.steps == sum(p.steps for p in per) > 0
     assert snap.device_blocks_total == sum(p.device_blocks_total for p in per)
     assert pool.is_running

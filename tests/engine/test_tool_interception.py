@@ -13,6 +13,7 @@ import engine_helpers
 from conftest import make_tiny_checkpoint
 from engine_helpers import run_to_completion
 from segue.engine.async_engine import AsyncLLMEngine
+from segue.engine.calls import Abort
 from segue.engine.engine_request import EngineRequest
 from segue.engine.llm_engine import LLMEngine
 from segue.executor.base import SampledToken
@@ -157,7 +158,7 @@ def test_resume_with_a_new_constraint_compiles_off_the_engine_thread(ckpt):
                 break
         await gen.aclose()
         grammar = await aengine.run_sync(lambda e: e.scheduler.state.requests["s"].grammar)
-        aengine.abort("s")
+        aengine.call(Abort("s"))
         await aengine.shutdown()
         return grammar
 

@@ -136,8 +136,8 @@ def test_a_swap_out_that_copies_nothing_still_makes_the_request_swapped():
     """A request swapped back in finds its host copies still cached in the host tier, so swapping
     it out again moves its blocks without a copy: it must still leave the waiting queue (before:
     it waited with its context on the host, and a later step ran it on a partial context)."""
+    from segue.sched.memory import swap_out
     from segue.sched.output import SchedulerOutput
-    from segue.sched.preemption import swap_out
     sched, ex = make("preserve", device_blocks=10, host_blocks=20)
     kv = sched.state.kv
     a = Request("a", list(range(16)), SamplingParams(max_tokens=8), 0.0)
@@ -157,10 +157,10 @@ def test_a_swap_out_that_copies_nothing_still_makes_the_request_swapped():
 
 
 def test_nothing_running_waits_for_swap_outs_in_flight_before_discarding_a_holder() -> None:
-    """release_waiting_kv (nothing runs, the head does not fit): blocks a swap-out is copying to
+    """free_for_idle_step (nothing runs, the head does not fit): blocks a swap-out is copying to
     the host are free by the next step, so while they cover the head's need no waiting request's
     resident context is thrown away (it would be recomputed)."""
-    from segue.sched.reclaim import release_waiting_kv
+    from segue.sched.memory import free_for_idle_step
     sched, _ = make("preserve", device_blocks=10, host_blocks=20)
     kv = sched.state.kv
     paused = Request("paused", list(range(300, 316)), SamplingParams(max_tokens=4), 0.0)
@@ -174,7 +174,7 @@ def test_nothing_running_waits_for_swap_outs_in_flight_before_discarding_a_holde
     holder.num_computed_tokens = 16
     head = Request("head", list(range(500, 528)), SamplingParams(max_tokens=4), 0.0)
     assert kv.num_free_blocks == 2
-    assert not release_waiting_kv(sched.state, head, 6)  # 2 free + 4 in flight: wait a step
+    assert not free_for_idle_step(sched.state, head, 6)  # 2 free + 4 in flight: wait a step
     assert kv.num_device_blocks_of("holder") == 4 and holder.num_preemptions == 0
-    assert release_waiting_kv(sched.state, head, 7)  # more than will come free: the holder gives way
+    assert free_for_idle_step(sched.state, head, 7)  # more than will come free: the holder gives way
     assert kv.num_device_blocks_of("holder") == 0 and holder.num_preemptions == 1

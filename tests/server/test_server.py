@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Awaitable, Callable, Iterator
 
 import httpx
 import openai
@@ -13,6 +13,7 @@ import pytest
 from conftest import make_tiny_checkpoint
 from segue.config import EngineConfig, ModelLoadConfig
 from segue.engine.async_engine import AsyncLLMEngine
+from segue.engine.calls import Abort, EngineCall
 from segue.engine.engine_request import EngineRequest
 from segue.engine.llm_engine import LLMEngine
 from segue.sampling_params import SamplingParams
@@ -279,11 +280,12 @@ def test_closing_a_stream_at_its_yield_aborts_at_once(engine: AsyncLLMEngine) ->
     inner consumer is finalized: behind a reference cycle that waited for the garbage collector
     and left the request generating for seconds (seen as a flaky disconnect test)."""
     aborted: list[str] = []
-    original = engine.abort
+    original = engine.call
 
-    def record(request_id: str) -> None:
-        aborted.append(request_id)
-        original(request_id)
+    def record(op: EngineCall[Any]) -> Awaitable[Any]:
+        if isinstance(op, Abort):
+            aborted.append(op.request_id)
+        return original(op)
 
     async def close_after_first() -> list[str]:
         gen = engine.generate(EngineRequest(PROMPT, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True),
@@ -298,11 +300,11 @@ def test_closing_a_stream_at_its_yield_aborts_at_once(engine: AsyncLLMEngine) ->
             await asyncio.sleep(0.02)
         return seen
 
-    engine.abort = record  # type: ignore[method-assign]
+    engine.call = record  # type: ignore[method-assign]
     try:
         assert asyncio.run(close_after_first()) == ["close-at-yield"]
     finally:
-        del engine.abort
+        del engine.call
     wait_idle(engine)
 
 
