@@ -1,6 +1,6 @@
 """Reading an engine's queues and pools for its callers: the stats snapshot behind /metrics and
 the load report a router reads, both read off the scheduler's state (Scheduler.state). The
-engine's side of EngineClient.get_stats, so that nothing above the engine reads the scheduler."""
+engine's side of a GetStats call (engine/calls.py), so that nothing above the engine reads the scheduler."""
 from __future__ import annotations
 
 from segue.engine.memory_waste import WasteMeter
