@@ -19,6 +19,7 @@ from segue.kv.interface import NO_HIT, PrefixHit
 from segue.request import Request, RequestStatus
 from segue.sched.latency_capacity import LatencyCapacity
 from segue.sched.memory import free_for_admission, free_for_holder, free_for_idle_step
+from segue.sched.memory_kept import hand_over
 from segue.sched.newcomers import newcomers_first
 from segue.sched.output import SchedulerOutput
 from segue.sched.preemption import swap_budget_blocks
@@ -234,8 +235,7 @@ def _admit(sched: SchedulerState, req: Request, num_new: int, num_hit: int,
         sched.prefix_hit_tokens += num_hit
         sched.prefix_query_tokens += req.num_prompt_tokens
     req.num_computed_tokens += num_hit
-    if sched.agents is not None:
-        sched.agents.on_admitted(req)
+    hand_over(sched, req)
     sched.waiting.remove(req)
     req.status = RequestStatus.RUNNING
     sched.running.append(req)
@@ -276,8 +276,7 @@ def load_host_hits(sched: SchedulerState, req: Request, device_hit: PrefixHit, o
     if budget <= 0 or free < hit.num_host_blocks:
         return False
     sched.kv.attach_host_hit(req, hit)
-    if sched.agents is not None:
-        sched.agents.on_admitted(req)
+    hand_over(sched, req)
     if req.num_cached_tokens < 0:
         req.num_cached_tokens = req.num_computed_tokens
         sched.prefix_hit_tokens += req.num_computed_tokens

@@ -7,7 +7,9 @@ the prefix cache's block hashes, under the same program id. When a turn of a lik
 finishes, its cached context is retained (held, not evictable) until the agent is expected back:
 the learnt return gap. Retained contexts are what thrashing avoidance protects: admission lets a
 newcomer use only the memory they leave (sched/admission.py), and under pressure the one expected
-back last, per recompute second it would save, is released first. Pure Python.
+back last, per recompute second it would save, is released first. The tracker decides which
+histories go and when (expiry, a turn that continues one, release_order); it detaches them and
+sched/memory_kept.py releases them with the KV manager. Pure Python.
 """
 from __future__ import annotations
 
@@ -93,9 +95,10 @@ class AgentTracker:
         self._watched: set[int] = set()
 
     # ---- identity ------------------------------------------------------------------------
-    def on_arrival(self, request: Request, now: float) -> AgentState:
+    def on_arrival(self, request: Request, now: float) -> list[RetainedContext]:
         """Find the agent a new request continues (its prompt extends a finished turn's chain),
-        or start a new one. Call before the ordering policy sees the request."""
+        or start a new one. Call before the ordering policy sees the request. Returns the
+        histories of the agents forgotten to stay within max_agents, for the caller to release."""
         agent = self._continued(request)
         if agent is None:
             agent = AgentState(self._next_id, request.sched_arrival_time, turns=0, program_id=request.program_id)
@@ -115,8 +118,7 @@ class AgentTracker:
         self._agents[agent.agent_id] = agent
         self._agents.move_to_end(agent.agent_id)
         self._of_request[request.request_id] = agent
-        self._forget_oldest()
-        return agent
+        return self._forget_oldest()
 
     def _continued(self, request: Request) -> AgentState | None:
         """The agent whose latest finished turn this request's prompt extends, if any. Linking
@@ -156,24 +158,32 @@ class AgentTracker:
         return agent is not None and agent.context is not None
 
     # ---- a turn starts and ends ----------------------------------------------------------
-    def on_admitted(self, request: Request) -> None:
-        """The turn holds what it hit of its history now; the handle lets the rest go."""
+    def on_admitted(self, request: Request) -> RetainedContext | None:
+        """The turn holds what it hit of its history now: the handle, if one is retained, is the
+        caller's to release (it lets the rest go)."""
         agent = self._of_request.get(request.request_id)
         if agent is not None and agent.context is not None:
-            self.kv.release_retained(agent.context)
-            agent.context = None
+            return self.detach(agent)
+        return None
+
+    def unused_history(self, request: Request) -> RetainedContext | None:
+        """Before on_finish: the history kept for a turn that never ran (aborted while waiting,
+        or finished without being admitted), detached for the caller to release. This turn will
+        not use it now, so holding it to retain_until would only keep its memory from everyone
+        else."""
+        agent = self._of_request.get(request.request_id)
+        if agent is not None and agent.context is not None:
+            return self.detach(agent)
+        return None
 
     def on_finish(self, request: Request, now: float) -> bool:
-        """A request finished. True when its context was retained for its agent's next turn
-        (the rest of its KV is freed); False: the caller frees its KV."""
+        """A request finished (its unused history already taken: unused_history). True when its
+        context was retained for its agent's next turn (the rest of its KV is freed); False: the
+        caller frees its KV."""
         agent = self._of_request.pop(request.request_id, None)
         if agent is None:
             return False
-        if agent.context is not None:
-            # A turn that never ran (aborted while waiting, or finished without being admitted):
-            # the history was kept for this turn, which will not use it now, so holding it to
-            # retain_until would only keep its memory from everyone else.
-            self._let_go(agent)
+        assert agent.context is None, "unused_history() first: a finishing turn's history is released"
         if request.status is RequestStatus.FINISHED_ABORTED:
             return False
         self._drop_chain_ends(agent)
@@ -197,10 +207,12 @@ class AgentTracker:
         return True
 
     # ---- releasing retained contexts -----------------------------------------------------
-    def expire(self, now: float) -> None:
+    def expire(self, now: float) -> list[RetainedContext]:
         """Let go of contexts whose agent did not come back within the usual gap (p90), and
         count a turn as not continued once twice that has passed: the evidence that decides
-        whether finished turns are retained at all (a one-off chat request is not)."""
+        whether finished turns are retained at all (a one-off chat request is not). Returns the
+        contexts let go, in order, for the caller to release."""
+        expired = []
         horizon = 2 * self.gaps.quantile(0.9)
         for aid in list(self._watched):
             agent = self._agents.get(aid)
@@ -208,27 +220,23 @@ class AgentTracker:
                 self._watched.discard(aid)
                 continue
             if agent.context is not None and now >= agent.retain_until:
-                self._let_go(agent)
+                expired.append(self.detach(agent))
             if agent.awaiting_return and now >= agent.last_finish + horizon:
                 agent.awaiting_return = False
                 self.gaps.missed += 1
             if agent.context is None and not agent.awaiting_return:
                 self._watched.discard(aid)
+        return expired
 
-    def release_for_memory(self, blocks_needed: int, now: float, keep: AgentState | None = None) -> int:
-        """Release retained contexts until `blocks_needed` device blocks are freed, the least
-        valuable first: memory-time held (private blocks x time until expected back; an overdue
-        agent is expected as late again as it is overdue) per second of recompute its loss
-        costs. `keep`'s own context stays. Returns blocks freed."""
-        freed = 0
-        for agent in sorted(self._holders(keep), key=lambda a: self._hold_cost(a, now), reverse=True):
-            if freed >= blocks_needed:
-                break
-            freed += self._let_go(agent)
-        return freed
+    def release_order(self, now: float, keep: AgentState | None = None) -> list[AgentState]:
+        """The agents whose retained contexts go under memory pressure, the least valuable first:
+        memory-time held (private blocks x time until expected back; an overdue agent is expected
+        as late again as it is overdue) per second of recompute its loss costs. `keep`'s own
+        context stays."""
+        return sorted(self._holders(keep), key=lambda a: self._hold_cost(a, now), reverse=True)
 
     def releasable(self, keep: AgentState | None = None) -> list[RetainedContext]:
-        """The contexts release_for_memory may release (all but `keep`'s)."""
+        """The contexts release_order offers (all but `keep`'s)."""
         return [_held(a) for a in self._holders(keep)]
 
     def _holders(self, keep: AgentState | None) -> list[AgentState]:
@@ -242,17 +250,20 @@ class AgentTracker:
         recompute_s = self.cost.t_prefill(context.num_blocks * self.kv.block_size)
         return blocks * max(wait, 1e-3) / max(recompute_s, 1e-9)
 
-    def _let_go(self, agent: AgentState) -> int:
-        freed = self.kv.release_retained(_held(agent))
+    def detach(self, agent: AgentState) -> RetainedContext:
+        """Take an agent's retained context off it; the caller releases it (sched/memory_kept.py)."""
+        context = _held(agent)
         agent.context = None
-        return freed
+        return context
 
-    def _forget_oldest(self) -> None:
+    def _forget_oldest(self) -> list[RetainedContext]:
+        forgotten = []
         while len(self._agents) > self.max_agents:
             _, agent = self._agents.popitem(last=False)
             self._drop_chain_ends(agent)
             if agent.context is not None:
-                self._let_go(agent)
+                forgotten.append(self.detach(agent))
+        return forgotten
 
 
 def _held(agent: AgentState) -> RetainedContext:

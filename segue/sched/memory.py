@@ -1,9 +1,12 @@
 """Freeing device memory for a request: one call per site (free_for_running, free_for_admission,
 free_for_holder, free_for_idle_step, free_for_thrashing, free_for_swap_in, keep_reserve), each a
 walk down its row of the table in sched/memory_table.py (the map of who gives memory to whom).
-This is the one module that calls the release verbs (PausedRequests.release_for_memory,
-AgentTracker.release_for_memory, and KVCache's free, release and swap_out on the requests it takes
-memory from); tests/test_architecture.py checks that. Pure Python.
+Who gives way within a source is its owner's choice (sched/preemption.py, the policy's order,
+PausedRequests.release_order, AgentTracker.release_order); this module takes it, calling
+KVCache's free, release and swap_out on the running and waiting requests, and
+sched/memory_kept.py's releases for paused contexts and retained histories. The two modules are
+the memory owner, the only ones that call the release verbs: tests/test_architecture.py checks
+that. Pure Python.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 from segue.kv.interface import PrefixHit
 from segue.request import Request, RequestStatus
 from segue.sched.agents import AgentState
+from segue.sched.memory_kept import release_history_blocks, release_paused_blocks
 from segue.sched.memory_table import FIRST_GIVER_ENDS, SOURCES, Ask, Site, Source, Step, When
 from segue.sched.output import SchedulerOutput
 from segue.sched.preemption import discard_order, holders_below, reserve_victims, swap_victims
@@ -144,17 +148,17 @@ def keep_reserve(sched: SchedulerState, out: SchedulerOutput, reserve: int) -> N
     _walk(Claim(sched, Site.RESERVE, None, reserve, out))
 
 
-# ---- the sources: the only callers of the release verbs ----------------------------------------
+# ---- the sources ------------------------------------------------------------------------------
 def _release_paused(claim: Claim, ask: Ask) -> bool:
     sched = claim.sched
-    return _release(claim, ask, lambda n: sched.paused.release_for_memory(n, sched.now))
+    return _release(claim, ask, lambda n: release_paused_blocks(sched, n))
 
 
 def _release_histories(claim: Claim, ask: Ask) -> bool:
-    sched, agents = claim.sched, claim.sched.agents
-    if agents is None:
+    sched = claim.sched
+    if sched.agents is None:
         return False
-    return _release(claim, ask, lambda n: agents.release_for_memory(n, sched.now, keep=claim.keep))
+    return _release(claim, ask, lambda n: release_history_blocks(sched, n, claim.keep))
 
 
 def _release(claim: Claim, ask: Ask, release: Callable[[int], int]) -> bool:

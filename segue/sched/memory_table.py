@@ -6,9 +6,11 @@ behaviour; tests/sched/test_memory.py checks each site's order.
 The orders differ on purpose (the comments say why), so they are not merged into one. Which paused
 context or history goes first within a source is its owner's order (sched/paused.py: the latest
 expected back, then the largest; sched/agents.py: the most memory-time per recompute second);
-which holders give way is the policy's (sched/preemption.py). Not a site: each step the
-interception policy preserves, swaps or discards every paused context (PausedRequests.plan), and
-retained histories expire (AgentTracker.expire); neither frees memory for a request. Pure Python.
+which holders give way is the policy's (sched/preemption.py); the PAUSED and HISTORIES sources are
+released by sched/memory_kept.py. Not a site: each step the interception policy preserves, swaps or
+discards every paused context (PausedRequests.plan), and retained histories expire
+(AgentTracker.expire); neither frees memory for a request, and sched/memory_kept.py carries both
+out, as it does abandon(), a history handed to its next turn and a finished turn's. Pure Python.
 """
 from __future__ import annotations
 

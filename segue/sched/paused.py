@@ -1,5 +1,7 @@
-"""Paused (intercepted) requests: applying dispositions each step, budgeted chunked swapping,
-and resumption (InferCept §4). Owned by the Scheduler; pure Python."""
+"""Paused (intercepted) requests: the dispositions chosen each step, budgeted chunked swapping,
+and resumption (InferCept §4). Owned by the Scheduler. What it chooses to give up (the interception
+policy's decisions, the order contexts go in under memory pressure, an abandoned request) it
+returns; sched/memory_kept.py releases it with the KV manager. Pure Python."""
 from __future__ import annotations
 
 import math
@@ -16,6 +18,10 @@ class SwapPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
     ready: list[Request] = field(default_factory=list)             # back on the device, runnable
+    # The interception policy's decisions, in its order, and the swap-out budget in tokens they
+    # were made within: sched/memory_kept.py carries them out (and fills swap_out).
+    decisions: dict[str, Decision] = field(default_factory=dict)
+    swap_out_budget: int = 0
 
 
 def _pause_of(req: Request) -> Interception:
@@ -130,37 +136,37 @@ class PausedRequests:
         it.expected_duration = max(0.0, t - it.t_call)
         return True
 
-    def abandon(self, request_id: str) -> bool:
+    def abandon(self, request_id: str) -> Request | None:
         """Nobody is expected to continue this paused request (say, the last turn of a session
-        whose client went away): release its context now, first in line for eviction. It stays
-        resumable; a resume recomputes only what was evicted meanwhile."""
+        whose client went away): it is expected back never, and its context is the caller's to
+        release now, first in line for eviction. It stays resumable; a resume recomputes only
+        what was evicted meanwhile. None if it is not paused."""
         req = self.paused.get(request_id)
-        if req is None:
-            return False
-        _pause_of(req).expected_duration = math.inf
-        self.release(req, reuse_at=math.inf)
-        return True
+        if req is not None:
+            _pause_of(req).expected_duration = math.inf
+        return req
 
-    def release(self, req: Request, reuse_at: float | None = None) -> None:
-        """Discard as release: the blocks return to the prefix cache, kept in order of expected
-        reuse, and a resume revives those still there (see KVCacheManager.release). `reuse_at`
-        defaults to the known or predicted resume time. Without one, the blocks join the cache's
+    def known_resume_at(self, req: Request) -> float | None:
+        """When a released context's blocks are expected back (their key in the prefix cache):
+        the known or predicted resume time. Without one, the blocks join the cache's
         least-recently-released order, which is the dynamic estimate's order: a pause that began
         earlier is expected to last longer (t_call + 2·elapsed), so it is evicted first; a key
         fixed at release time would evict the newest pause first instead (simulator, 32 agents
         sharing a system prompt, discard policy: 1.64 vs 0.38 GB*s of recompute)."""
         it = _pause_of(req)
-        if reuse_at is None and it.expected_duration is not None:
-            reuse_at = it.t_call + it.expected_duration
-        self.kv.release(req, reuse_at, self.cost.t_fwd_extra(self.kv.block_size))
-        it.disposition = Disposition.DISCARD
+        return None if it.expected_duration is None else it.t_call + it.expected_duration
+
+    def set_disposition(self, req: Request, disposition: Disposition) -> None:
+        _pause_of(req).disposition = disposition
 
     def plan(self, now: float, running_tokens: int, num_running: int,
              keep_free_blocks: int = 0) -> SwapPlan:
         """Spend this step's link budget (KVCounters.link_budget, opened by the scheduler) first: swap-in
         for resumed requests (in `swapped` order; they are ready to run) without going below
         `keep_free_blocks` free device blocks, the rest as the swap-out budget the policy hands
-        to paused requests. What is left goes to the rest of the step's copies."""
+        to paused requests, within which the interception policy decides about each paused
+        context (the plan's decisions, for sched/memory_kept.py to carry out). What is left goes
+        to the rest of the step's copies."""
         plan = SwapPlan(ready=self._landing)
         self._landing = []
         bs = self.kv.block_size
@@ -200,46 +206,19 @@ class PausedRequests:
         # Without host room, a swap decision would move nothing and leave the context held.
         host_room = self.kv.counters().num_free_host_blocks
         state = StepState(now, running_tokens, num_running, min(limit_blocks, host_room) * bs, self.cost)
-        plan.swap_out += self._apply(self.policy.decide(views, state), state.swap_out_budget)
+        plan.decisions = self.policy.decide(views, state)
+        plan.swap_out_budget = state.swap_out_budget
         return plan
 
-    def _apply(self, decisions: dict[str, Decision], budget_tokens: int) -> list[tuple[int, int]]:
-        """Carry out the policy's decisions; returns the swap-out copies. A policy that keeps
-        within the budget in tokens does in blocks too (a partial block rounds up to a whole
-        copy); one that asks for more on purpose (`swap`) gets it."""
-        bs = self.kv.block_size
-        asked = sum(d.swap_out_tokens for d in decisions.values() if d.disposition is Disposition.SWAP)
-        blocks_left = budget_tokens // bs if asked <= budget_tokens else math.inf
-        swap_out: list[tuple[int, int]] = []
-        for rid, decision in decisions.items():
-            req = self.paused[rid]
-            _pause_of(req).disposition = decision.disposition
-            if decision.disposition is Disposition.SWAP and decision.swap_out_tokens > 0:
-                copies = self.kv.swap_out(req, int(min(-(-decision.swap_out_tokens // bs), blocks_left))).copies
-                swap_out += copies
-                blocks_left -= len(copies)
-            elif decision.disposition is Disposition.DISCARD:
-                self.release(req)
-        return swap_out
-
     def releasable(self) -> list[str]:
-        """The paused requests release_for_memory would release (those with private blocks)."""
+        """The paused requests release_order would offer (those with private blocks)."""
         return [rid for rid in self.paused if self.kv.num_private_blocks_of(rid)]
 
-    def release_for_memory(self, blocks_needed: int, now: float) -> int:
-        """Under memory pressure, release preserved contexts before preempting running requests:
-        a paused request makes no progress with its memory. The latest expected back go first,
-        then the largest; only requests that hold private blocks free anything. Returns blocks
-        freed."""
-        freed = 0
+    def release_order(self, now: float) -> list[Request]:
+        """Under memory pressure, preserved contexts go before running requests are preempted: a
+        paused request makes no progress with its memory. The latest expected back go first,
+        then the largest; only requests that hold private blocks (counted now) free anything."""
         victims = [(self.expected_resume_at(r, now), self.kv.num_private_blocks_of(rid), r)
                    for rid, r in self.paused.items()]
         victims.sort(key=lambda v: (v[0], v[1]), reverse=True)
-        for _, n, req in victims:
-            if freed >= blocks_needed:
-                break
-            if n:
-                before = self.kv.counters().num_free_blocks
-                self.release(req)
-                freed += self.kv.counters().num_free_blocks - before
-        return freed
+        return [req for _, n, req in victims if n]

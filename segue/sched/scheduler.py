@@ -16,6 +16,7 @@ from segue.sched.cost_model import CostModel
 from segue.sched.failed_copies import forget_failed_copies
 from segue.sched.interception import InterceptionPolicy
 from segue.sched.memory import free_for_running, free_for_swap_in, keep_reserve
+from segue.sched.memory_kept import abandon, carry_out, free_finished, release_histories
 from segue.sched.newcomers import is_newcomer
 from segue.sched.output import ScheduledSeq, SchedulerOutput
 from segue.sched.policies import SchedulingPolicy
@@ -40,7 +41,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.state.requests[request.request_id] = request
         if self.state.agents is not None:
-            self.state.agents.on_arrival(request, self.state.now)
+            # Agents forgotten past max_agents let their histories go.
+            release_histories(self.state, self.state.agents.on_arrival(request, self.state.now))
         self.state.waiting.append(request)
         if self.state.config.max_newcomer_wait_s is not None and is_newcomer(self.state, request):
             self.state.first_turns.add(request)
@@ -57,7 +59,7 @@ class Scheduler:
         self.state.waiting.discard(request)
         self.state.paused.remove(request)
         request.status = status
-        self.state.free_finished(request)
+        free_finished(self.state, request)
         self.state.policy.on_finished(request, self.state.now)
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -95,7 +97,7 @@ class Scheduler:
     def abandon(self, request_id: str) -> bool:
         """Nobody is expected to continue this paused request: its device memory goes back to
         the pool now (its blocks stay in the prefix cache, evicted first). False if not paused."""
-        return self.state.paused.abandon(request_id)
+        return abandon(self.state, request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.state.requests)
@@ -134,7 +136,7 @@ class Scheduler:
         self.state.policy.on_step(now)
         self.state.kv.begin_step(now)
         if self.state.agents is not None:
-            self.state.agents.expire(now)
+            release_histories(self.state, self.state.agents.expire(now))
 
     def _plan_swaps(self, now: float, out: SchedulerOutput, running_tokens: int, keep_free: int) -> None:
         """Open the step's link budget and spend it first on the paused requests' swaps; the
@@ -150,6 +152,7 @@ class Scheduler:
         free_for_swap_in(state, keep_free)
         state.kv.open_link(state.cost.swap_limit(state.last_batch_tokens) // state.kv.block_size)
         plan = state.paused.plan(now, running_tokens, len(state.running), keep_free_blocks=keep_free)
+        carry_out(state, plan)  # the interception policy's dispositions for the paused contexts
         out.blocks_to_swap_out, out.blocks_to_swap_in = plan.swap_out, plan.swap_in
         state.kv.open_write_backs(state.cost.copy_pays(state.kv.counters().write_back_reuse_rate, state.kv.block_size))
         for req in plan.ready:

@@ -52,13 +52,6 @@ class SchedulerState:
         # New agents' first turns in arrival order, for the newcomer bound (sched/newcomers.py).
         self.first_turns = FirstTurns()
 
-    def free_finished(self, request: Request) -> None:
-        """Free a finished request's KV, unless its agent's next turn keeps it (retained); under
-        prefix_eviction="reuse" its cached blocks are keyed by their expected reuse (KVCache.finish)."""
-        if self.agents is not None and self.agents.on_finish(request, self.now):
-            return
-        self.kv.finish(request, self.now, self.cost.t_fwd_extra(self.kv.block_size))
-
     def waiting_holders(self) -> list[Request]:
         """The waiting requests that hold device KV, found through the KV tables: the pool bounds
         them, while an overloaded waiting queue holds thousands and is scanned by no per-step pass."""
