@@ -116,8 +116,10 @@ struct Dequant {
 };
 
 // One block of type t at column k0 into the sink (the rows' accumulators, or a dequantized row).
+// Forced inline: called out of line (GCC's choice for the switch over every type), the rows'
+// accumulators lived in memory and each chunk waited on a store and a reload.
 template <class Sink>
-inline void block(int64_t t, const uint8_t* b, int64_t k0, Sink& rows) {
+__attribute__((always_inline)) inline void block(int64_t t, const uint8_t* b, int64_t k0, Sink& rows) {
   static const Table unsigned_codes(0), q4_0(8), q5_0(16), q6_k(32);
   switch (t) {
     case Q4_K: case Q5_K: {
