@@ -158,32 +158,25 @@ class AgentTracker:
         return agent is not None and agent.context is not None
 
     # ---- a turn starts and ends ----------------------------------------------------------
-    def on_admitted(self, request: Request) -> RetainedContext | None:
-        """The turn holds what it hit of its history now: the handle, if one is retained, is the
-        caller's to release (it lets the rest go)."""
-        agent = self._of_request.get(request.request_id)
-        if agent is not None and agent.context is not None:
-            return self.detach(agent)
-        return None
-
-    def unused_history(self, request: Request) -> RetainedContext | None:
-        """Before on_finish: the history kept for a turn that never ran (aborted while waiting,
-        or finished without being admitted), detached for the caller to release. This turn will
-        not use it now, so holding it to retain_until would only keep its memory from everyone
-        else."""
+    def take_history(self, request: Request) -> RetainedContext | None:
+        """Detach the history retained for this request's agent, if there is one, for the caller
+        to release: when the turn is admitted (it holds what it hit of the history now, and the
+        handle lets the rest go), and before on_finish (a turn that never ran, aborted while
+        waiting or finished without being admitted, will not use it now, so holding it to
+        retain_until would only keep its memory from everyone else)."""
         agent = self._of_request.get(request.request_id)
         if agent is not None and agent.context is not None:
             return self.detach(agent)
         return None
 
     def on_finish(self, request: Request, now: float) -> bool:
-        """A request finished (its unused history already taken: unused_history). True when its
+        """A request finished (its unused history already taken: take_history). True when its
         context was retained for its agent's next turn (the rest of its KV is freed); False: the
         caller frees its KV."""
         agent = self._of_request.pop(request.request_id, None)
         if agent is None:
             return False
-        assert agent.context is None, "unused_history() first: a finishing turn's history is released"
+        assert agent.context is None, "take_history() first: a finishing turn's history is released"
         if request.status is RequestStatus.FINISHED_ABORTED:
             return False
         self._drop_chain_ends(agent)

@@ -178,8 +178,7 @@ def _preempt_running(claim: Claim, ask: Ask) -> bool:
     sched.kv.free(victim)
     victim.num_computed_tokens = 0
     victim.status = RequestStatus.PREEMPTED
-    victim.num_preemptions += 1
-    sched.num_preemptions_total += 1
+    _count_preemption(sched, victim)
     sched.waiting.append(victim)
     assert claim.out is not None
     claim.out.preempted.append(victim)
@@ -235,8 +234,7 @@ def _discard_waiting(claim: Claim, ask: Ask) -> bool:
             sched.paused.swapped.remove(req)
             req.status = RequestStatus.WAITING
             sched.waiting.append(req)
-            req.num_preemptions += 1
-            sched.num_preemptions_total += 1
+            _count_preemption(sched, req)
         else:
             discard(sched, req)
         gave = True
@@ -268,6 +266,10 @@ def discard(sched: SchedulerState, req: Request) -> None:
     """Drop a waiting request's device KV; it recomputes when it runs again."""
     sched.kv.free(req)
     req.num_computed_tokens = 0
+    _count_preemption(sched, req)
+
+
+def _count_preemption(sched: SchedulerState, req: Request) -> None:
     req.num_preemptions += 1
     sched.num_preemptions_total += 1
 

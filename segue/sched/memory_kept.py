@@ -94,7 +94,7 @@ def release_history_blocks(sched: SchedulerState, blocks_needed: int, keep: Agen
 
 def hand_over(sched: SchedulerState, req: Request) -> None:
     """An admitted turn holds what it hit of its agent's history: the retained handle goes."""
-    context = sched.agents.on_admitted(req) if sched.agents is not None else None
+    context = sched.agents.take_history(req) if sched.agents is not None else None
     if context is not None:
         sched.kv.release_retained(context)
 
@@ -105,7 +105,7 @@ def free_finished(sched: SchedulerState, request: Request) -> None:
     A history kept for a turn that never ran goes first."""
     agents = sched.agents
     if agents is not None:
-        unused = agents.unused_history(request)
+        unused = agents.take_history(request)
         if unused is not None:
             sched.kv.release_retained(unused)
         if agents.on_finish(request, sched.now):
