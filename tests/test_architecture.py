@@ -6,6 +6,7 @@ Pure ast over the source files; nothing is imported."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -295,12 +296,19 @@ def kv_internal_reads(source: str, filename: str = "<source>") -> list[str]:
     return bad
 
 
+@functools.cache
+def segue_sources() -> dict[str, str]:
+    """Every module of segue/, path (relative to the repository) -> source, read once per run."""
+    return {str(path.relative_to(ROOT)): path.read_text(encoding="utf-8")
+            for path in sorted((ROOT / "segue").rglob("*.py"))}
+
+
 def test_only_segue_kv_reads_kv_internals():
     bad = []
-    for path in sorted((ROOT / "segue").rglob("*.py")):
-        if path.is_relative_to(ROOT / "segue" / "kv"):
+    for name, source in segue_sources().items():
+        if name.startswith("segue/kv/"):
             continue
-        bad += kv_internal_reads(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
+        bad += kv_internal_reads(source, name)
     assert not bad, "KV internals read outside segue/kv/ (add a verb to segue/kv/interface.py):\n" + "\n".join(bad)
 
 
@@ -393,13 +401,8 @@ def duplicate_class_names(definitions: list[tuple[str, str]]) -> list[str]:
     return [f"{name}: {', '.join(where)}" for name, where in sorted(places.items()) if len(where) > 1]
 
 
-def _segue_sources() -> list[tuple[str, str]]:
-    return [(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
-            for path in sorted((ROOT / "segue").rglob("*.py"))]
-
-
 def test_no_class_name_is_defined_twice():
-    definitions = [d for source, name in _segue_sources() for d in class_definitions(source, name)]
+    definitions = [d for name, source in segue_sources().items() for d in class_definitions(source, name)]
     bad = duplicate_class_names(definitions)
     assert not bad, "class names defined more than once in segue/ (name each for what it holds):\n" + "\n".join(bad)
 
@@ -427,7 +430,7 @@ def wide_functions(source: str, filename: str = "<source>", limit: int = MAX_PAR
 
 
 def test_no_function_takes_more_than_eight_parameters():
-    bad = [w for source, name in _segue_sources() for w in wide_functions(source, name)]
+    bad = [w for name, source in segue_sources().items() for w in wide_functions(source, name)]
     assert not bad, (f"functions with more than {MAX_PARAMETERS} parameters (group some into a dataclass of "
                      "named values):\n" + "\n".join(bad))
 
@@ -492,8 +495,7 @@ def memory_released_outside_the_owner(files: dict[str, str]) -> list[str]:
 
 
 def test_only_the_memory_owner_releases_memory():
-    files = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in (ROOT / "segue").rglob("*.py")}
-    bad = memory_released_outside_the_owner(files)
+    bad = memory_released_outside_the_owner(segue_sources())
     assert not bad, (f"memory released outside {' and '.join(MEMORY_OWNER)} (return the choice to "
                      "segue/sched/memory_kept.py, or add a site or a source to segue/sched/memory_table.py, "
                      "and release it there):\n" + "\n".join(bad))
@@ -565,10 +567,10 @@ def classes_defining(source: str, names: tuple[str, ...]) -> dict[str, list[str]
 
 def verb_definitions() -> dict[str, list[str]]:
     found: dict[str, list[str]] = {verb: [] for verb in REQUEST_VERBS}
-    for folder in VERB_LAYERS:
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            for verb, classes in classes_defining(path.read_text(encoding="utf-8"), REQUEST_VERBS).items():
-                found[verb] += [f"{path.relative_to(ROOT)}:{c}" for c in classes]
+    for name, source in segue_sources().items():
+        if name.startswith(tuple(f"{folder}/" for folder in VERB_LAYERS)):
+            for verb, classes in classes_defining(source, REQUEST_VERBS).items():
+                found[verb] += [f"{name}:{c}" for c in classes]
     return found
 
 
