@@ -139,9 +139,9 @@ class LlamaModel:
         self.cos = freqs.cos().to(device=device, dtype=dtype)
         self.sin = freqs.sin().to(device=device, dtype=dtype)
         # The fused kernel rotates in fp32 whatever the storage dtype.
-        self.cos32 = freqs.cos().to(device=device, dtype=torch.float32).contiguous()
-        self.sin32 = freqs.sin().to(device=device, dtype=torch.float32).contiguous()
-        self.rope = Rope(self.cos32, self.sin32, config.num_heads, config.num_kv_heads)
+        self.rope = Rope(freqs.cos().to(device=device, dtype=torch.float32).contiguous(),
+                         freqs.sin().to(device=device, dtype=torch.float32).contiguous(),
+                         config.num_heads, config.num_kv_heads)
         self.scale = config.head_dim ** -0.5
 
     def weight_bytes(self) -> int:
