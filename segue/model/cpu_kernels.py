@@ -28,7 +28,7 @@ _SOURCES = [Path(__file__).parent / "csrc" / name
 # Headers the sources include: part of the module's hash, not compiled on their own.
 _HEADERS = [Path(__file__).parent / "csrc" / name for name in ("avx2_common.h", "prefill_bf16.h")]
 _GGUF_SOURCES = [Path(__file__).parent / "csrc" / "gguf_ops.cpp"]
-_GGUF_HEADERS = [Path(__file__).parent / "csrc" / "gguf_bf16.h"]
+_GGUF_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("gguf_bf16.h", "gguf_dot.h")]
 
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]

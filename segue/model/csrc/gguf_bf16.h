@@ -1,10 +1,10 @@
-// The GGUF block matmul for bf16 activations on CPUs with AVX512-BF16 (included by gguf_ops.cpp).
+// GGUF blocks as bf16 on CPUs with AVX512-BF16 (included by gguf_ops.cpp): the code tables and
+// scale unpacking the dot products (gguf_dot.h) share, and a prefill's per-call dequantization.
 //
 // Every format's integers q are exact in bf16, and a bf16 activation times a bf16 integer is exact
 // in fp32, so vdpbf16ps (32 multiply-adds an instruction, twice an fp32 FMA's) sums the same
-// products the fp32 path does: x . w = sum_chunks s * dot(x, q) + m * sum(x). Each 32-weight chunk's
-// q go from nibbles (or 5-, 6-, 8-bit codes) to bf16 words with a byte unpack and one table lookup
-// (vpermw), in registers; the weights are decoded once for all of a call's rows (at most MB).
+// products the fp32 path does. Here each 32-weight chunk's q go from nibbles (or 5-, 6-, 8-bit
+// codes) to bf16 words with a byte widening and one table lookup (vpermw), in natural order.
 #pragma once
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SEGUE_GGUF_BF16 1
@@ -56,37 +56,6 @@ inline void scales_k4(const uint8_t* packed, uint8_t out[16]) {
   u[0] &= k1;
   std::memcpy(out, u, 16);
 }
-
-// R rows of bf16 activations and their accumulators for one output channel; R is a template
-// parameter so the accumulators stay in registers.
-template <int R>
-struct Rows {
-  const uint16_t* x;    // [R, K] bf16
-  const float* xsum;    // [R, K / 32] sums of x over 32-wide runs
-  int64_t K;
-  __m512 acc[R], acc2[R];  // two chains: one FMA's latency per chunk would bound a single one
-  __m256 macc[R];
-  float smacc[R];
-
-  // Chunk of 32 weights at column k: acc += s * dot(x[k:k+32], w) (acc2 for odd chunks).
-  template <bool ODD = false>
-  inline void chunk(int64_t k, __m512i w, __m512 s) {
-    for (int r = 0; r < R; ++r) {
-      const __m512i xv = _mm512_loadu_si512(x + r * K + k);
-      const __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), reinterpret_cast<__m512bh>(xv),
-                                        reinterpret_cast<__m512bh>(w));
-      if constexpr (ODD) acc2[r] = _mm512_fmadd_ps(d, s, acc2[r]);
-      else acc[r] = _mm512_fmadd_ps(d, s, acc[r]);
-    }
-  }
-  // Min terms of eight 32-weight sub-blocks from column k: macc += m . sums of x over each.
-  inline void mins8(int64_t k, __m256 m) {
-    for (int r = 0; r < R; ++r) macc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + r * (K / 32) + k / 32), macc[r]);
-  }
-  inline void min1(int64_t k, float m) {
-    for (int r = 0; r < R; ++r) smacc[r] += m * xsum[r * (K / 32) + k / 32];
-  }
-};
 
 // A block's weights written out as bf16, w = s * q + m rounded once (a prefill's per-call dense
 // weight): the same unpacking as the dot products, with a sink that stores instead of summing.
@@ -195,70 +164,6 @@ __attribute__((always_inline)) inline void block(int64_t t, const uint8_t* b, in
       return;
     }
     default: TORCH_CHECK(false, "gguf kernels: unsupported ggml type ", t);
-  }
-}
-
-// Q4_0 / Q4_1 rows, the default model's layers: a block of 32 carries its own fp16 scale (and min),
-// so the block loop above spends more on scalar scale handling than on the weights. Here eight
-// blocks' scales and mins are gathered and widened at once, every min term of the row is one dot
-// product with the activations' 32-wide sums, and the weight loop only broadcasts a scale.
-template <int R>
-inline void legacy_q4(bool with_min, const Format& f, const uint8_t* row, int64_t K, Rows<R>& rows) {
-  static const Table unsigned_codes(0), q4_0(8);
-  const Table& table = with_min ? unsigned_codes : q4_0;
-  const int64_t blocks = K / 32;
-  const __m256i stride = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
-    const int64_t nb = std::min<int64_t>(8, blocks - b0);
-    const __mmask8 live = static_cast<__mmask8>((1u << nb) - 1);
-    // Bytes 0-3 of each block: d (and m for Q4_1) as two fp16.
-    const __m256i dm = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), live,
-        _mm256_mullo_epi32(stride, _mm256_set1_epi32(static_cast<int>(f.bytes))), row + b0 * f.bytes, 1);
-    alignas(32) float d[8];
-    _mm256_store_ps(d, _mm256_cvtph_ps(_mm256_cvtepi32_epi16(dm)));
-    if (with_min) {
-      const __m256 m = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(dm, 16)));
-      for (int r = 0; r < R; ++r)
-        rows.macc[r] = _mm256_fmadd_ps(m, _mm256_maskz_loadu_ps(live, rows.xsum + r * (K / 32) + b0), rows.macc[r]);
-    }
-    for (int64_t i = 0; i < nb; ++i) {
-      const uint8_t* b = row + (b0 + i) * f.bytes;
-      const __m256i codes = codes32(b + (with_min ? 4 : 2));
-      if (i % 2) rows.template chunk<true>((b0 + i) * 32, table.small(codes), _mm512_set1_ps(d[i]));
-      else rows.chunk((b0 + i) * 32, table.small(codes), _mm512_set1_ps(d[i]));
-    }
-  }
-}
-
-template <int R>
-inline void channel_r(int64_t t, const Format& f, const uint8_t* row, int64_t K, const uint16_t* x,
-                      const float* xsum, float* out, int64_t stride) {
-  Rows<R> rows{x, xsum, K, {}, {}, {}, {}};
-  for (int r = 0; r < R; ++r) {
-    rows.acc[r] = rows.acc2[r] = _mm512_setzero_ps();
-    rows.macc[r] = _mm256_setzero_ps();
-    rows.smacc[r] = 0.f;
-  }
-  if (t == Q4_0 || t == Q4_1) legacy_q4(t == Q4_1, f, row, K, rows);
-  else
-    for (int64_t b = 0; b < K / f.block; ++b) block(t, row + b * f.bytes, b * f.block, rows);
-  for (int r = 0; r < R; ++r)
-    out[r * stride] = _mm512_reduce_add_ps(_mm512_add_ps(rows.acc[r], rows.acc2[r])) + _mm512_reduce_add_ps(_mm512_zextps256_ps512(rows.macc[r])) +
-                   rows.smacc[r];
-}
-
-// Rows [0, mb) of bf16 x (mb <= 8) against weight row `row`; writes out[r * stride].
-inline void channel(int64_t t, const Format& f, const uint8_t* row, int64_t K, const uint16_t* x, const float* xsum,
-                    int64_t mb, float* out, int64_t stride) {
-  switch (mb) {
-    case 1: return channel_r<1>(t, f, row, K, x, xsum, out, stride);
-    case 2: return channel_r<2>(t, f, row, K, x, xsum, out, stride);
-    case 3: return channel_r<3>(t, f, row, K, x, xsum, out, stride);
-    case 4: return channel_r<4>(t, f, row, K, x, xsum, out, stride);
-    case 5: return channel_r<5>(t, f, row, K, x, xsum, out, stride);
-    case 6: return channel_r<6>(t, f, row, K, x, xsum, out, stride);
-    case 7: return channel_r<7>(t, f, row, K, x, xsum, out, stride);
-    default: return channel_r<8>(t, f, row, K, x, xsum, out, stride);
   }
 }
 

@@ -264,6 +264,7 @@ void channel(int64_t t, const Format& f, const uint8_t* row, int64_t K, const fl
 
 }  // namespace
 #include "gguf_bf16.h"
+#include "gguf_dot.h"
 namespace {
 
 void check_segment(const torch::Tensor& blocks, int64_t t, int64_t K) {
@@ -308,19 +309,32 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
   const float* xp = bf16 ? nullptr : xc.data_ptr<float>();
   const auto* xb = bf16 ? reinterpret_cast<const uint16_t*>(xc.data_ptr()) : nullptr;
   for (int64_t i = 0; i < M * (K / run); ++i) {
-    float a = 0.f;
-    for (int64_t j = 0; j < run; ++j) {
-      if (bf16) {
-        const uint32_t bits = static_cast<uint32_t>(xb[i * run + j]) << 16;
-        float v;
-        std::memcpy(&v, &bits, 4);
-        a += v;
-      } else {
-        a += xp[i * run + j];
-      }
+#ifdef SEGUE_GGUF_BF16
+    if (bf16) {  // 32 bf16 -> two fp32 registers (the bits shifted to the top half)
+      const __m512i w = _mm512_loadu_si512(xb + i * 32);
+      const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(w)), 16));
+      const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(w, 1)), 16));
+      xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+      continue;
     }
+#endif
+    float a = 0.f;
+    for (int64_t j = 0; j < run; ++j) a += xp[i * run + j];
     xsum[i] = a;
   }
+#ifdef SEGUE_GGUF_BF16
+  // bf16 activations in each layout the segments' formats read, once per call (gguf_dot.h).
+  std::vector<uint16_t> prepared[gguf_dot::LAYOUTS];
+  int64_t prepared_k[gguf_dot::LAYOUTS] = {};
+  for (int64_t i = 0; bf16 && i < S; ++i) {
+    const int layout = gguf_dot::layout_of(types[i]);
+    if (!prepared[layout].empty()) continue;
+    const int64_t Kp = gguf_dot::padded(K, layout);
+    prepared_k[layout] = Kp;
+    prepared[layout].resize(M * Kp);
+    for (int64_t r = 0; r < M; ++r) gguf_dot::prepare(xb + r * K, K, layout, prepared[layout].data() + r * Kp);
+  }
+#endif
   // bf16 activations get bf16 outputs (the next op's dtype) unless fp32 is asked for (logits).
   const bool out_bf16 = bf16 && !fp32_out;
   auto out = torch::empty({M, N}, xc.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
@@ -336,7 +350,10 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
 #ifdef SEGUE_GGUF_BF16
       if (bf16) {
         float o[MB];
-        gguf_bf16::channel(types[seg], formats[seg], row, K, xb + m0 * K, xsum.data() + m0 * (K / 32), mb, o, 1);
+        const int layout = gguf_dot::layout_of(types[seg]);
+        const int64_t Kp = prepared_k[layout];
+        gguf_dot::channel(types[seg], formats[seg], row, K, prepared[layout].data() + m0 * Kp, Kp,
+                          xsum.data() + m0 * (K / 32), mb, o, 1);
         for (int64_t r = 0; r < mb; ++r) {
           if (out_bf16) ob[(m0 + r) * N + n] = c10::BFloat16(o[r]);
           else op[(m0 + r) * N + n] = o[r];
