@@ -22,9 +22,9 @@ using gguf_bf16::scales_k4;
 // How a format's tiles of 64 codes map onto activation elements; one prepared copy of x per
 // layout a call needs.
 enum Layout : int {
-  SUBBLOCK_PAIRS = 0,  // Q4_K, Q5_K: a register of nibbles holds sub-blocks (0,2), (1,3), (4,6), (5,7)
+  SUBBLOCK_PAIRS = 0,  // Q4_K, Q5_K: 64 bytes of nibbles hold sub-blocks 0-3 (or 4-7): (0,2) low, (1,3) high
   NATURAL = 1,         // Q6_K, Q8_0: 64 consecutive elements
-  LEGACY_QUADS = 2,    // Q4_0..Q5_1: 16 elements of each of 4 blocks (low nibbles, then high)
+  LEGACY_QUADS = 2,    // Q4_0..Q5_1: 4 blocks' 16 bytes of nibbles (elements 0-15 low, 16-31 high)
 };
 constexpr int LAYOUTS = 3;
 
@@ -42,15 +42,16 @@ inline int64_t padded(int64_t K, int layout) {
   return (K + tile - 1) / tile * tile;
 }
 
-// Element e of a tile (byte e of its register of codes) is word pos(e) of the prepared tile:
-// vpunpcklbw takes bytes 0-7 of each 128-bit lane, vpunpckhbw bytes 8-15.
+// Element e of a tile (byte e of its register of codes) is word pos(e) of the prepared tile.
+// NATURAL: vpunpcklbw takes bytes 0-7 of each 128-bit lane, vpunpckhbw bytes 8-15. The nibble
+// layouts read codes as 16-bit words (see nibble_words): even bytes, then odd ones.
 struct Interleave {
   __m512i lo, hi;  // vpermt2w indices: prepared word p <- element e(p)
-  Interleave() {
+  explicit Interleave(bool unpack) {
     alignas(64) uint16_t idx[64];
     for (int p = 0; p < 64; ++p) {
       const int half = p / 32, lane = (p % 32) / 8, within = p % 8;
-      idx[p] = static_cast<uint16_t>(lane * 16 + half * 8 + within);
+      idx[p] = static_cast<uint16_t>(unpack ? lane * 16 + half * 8 + within : 2 * (p % 32) + half);
     }
     lo = _mm512_load_si512(idx);
     hi = _mm512_load_si512(idx + 32);
@@ -64,7 +65,8 @@ inline __m512i load_words(const uint16_t* p, int64_t n) {  // n of 32 words, zer
 
 // x [K] (bf16 bits) -> out [padded(K, layout)] in the layout's tile order.
 inline void prepare(const uint16_t* x, int64_t K, int layout, uint16_t* out) {
-  static const Interleave il;
+  static const Interleave unpacked(true), words(false);
+  const Interleave& il = layout == NATURAL ? unpacked : words;
   const int64_t Kp = padded(K, layout);
   for (int64_t z = 0; z < Kp / 64; ++z) {
     __m512i a, b;  // elements 0-31 and 32-63 of tile z
@@ -103,6 +105,25 @@ inline __m512i words64_lo(__m512i codes, const Table& t) {
 }
 inline __m512i words64_hi(__m512i codes, const Table& t) {
   return _mm512_permutex2var_epi16(t.lo, _mm512_unpackhi_epi8(codes, _mm512_setzero_si512()), t.hi);
+}
+
+// The four bf16 word registers of 64 bytes of nibbles, each code q (plus bit 4 where `fifth`, for
+// 5-bit codes) as the bf16 1 + q / 2^bits: the code's bits go straight into the top of the
+// mantissa (exponent 0), two shifts and a ternary-logic op a register, no table and no unpack.
+// Words 0-3: the low nibbles of even bytes, of odd bytes, the high nibbles of even, of odd bytes.
+// A format's sums take w = s q + m as (2^bits s) v + (m - 2^bits s); the products stay exact.
+template <bool FIVE>
+inline void nibble_words(__m512i raw, __m512i (&w)[4], const __mmask32 (&fifth)[4]) {
+  const __m512i one = _mm512_set1_epi16(0x3F80), bits = _mm512_set1_epi16(FIVE ? 0x3C : 0x78);
+  constexpr int k = FIVE ? 1 : 0;  // one place further down for 5-bit codes
+  w[0] = _mm512_ternarylogic_epi32(_mm512_slli_epi16(raw, 3 - k), bits, one, 0xEA);
+  w[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 5 + k), bits, one, 0xEA);
+  w[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 1 + k), bits, one, 0xEA);
+  w[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 9 + k), bits, one, 0xEA);
+  if constexpr (FIVE) {
+    const __m512i top = _mm512_set1_epi16(0x40);
+    for (int i = 0; i < 4; ++i) w[i] = _mm512_mask_add_epi16(w[i], fifth[i], w[i], top);
+  }
 }
 
 // R rows of prepared activations and their accumulators for one output channel.
@@ -150,6 +171,45 @@ inline __m512 quad_scales(__m512 s, int first) {
 constexpr int64_t PREFETCH = 4096;
 static constexpr int PAIR[2] = {0, 32}, QUAD[4] = {0, 32, 64, 96}, Q8[4] = {0, 0, 32, 32};
 
+// Q4_K / Q5_K: per half super-block, 64 bytes of nibbles are sub-blocks (0,2) in their low
+// nibbles and (1,3) in their high ones (or 4-7), 32 bytes each; Q5_K's fifth bits are bit
+// (2 * chunk, +1 for high nibbles) of the byte of qh at the same position.
+template <bool FIVE, int R>
+inline void k_quant_nibbles(const uint8_t* row, int64_t K, Dots<R>& d) {
+  constexpr int64_t bytes = FIVE ? 176 : 144;
+  const __m256 scale = _mm256_set1_ps(FIVE ? 32.f : 16.f);
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* b = row + sb * bytes;
+    for (int l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH + l), _MM_HINT_T0);
+    alignas(32) uint8_t sm[16];
+    scales_k4(b + 4, sm);
+    const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm)))));
+    const __m256 m8 = _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8)))));
+    d.mins8(sb * 8, _mm256_fnmadd_ps(scale, s8, m8));
+    const __m512 s = _mm512_castps256_ps512(_mm256_mul_ps(scale, s8));
+    const uint8_t* qs = b + (FIVE ? 48 : 16);
+    const __m512i qh = FIVE ? _mm512_broadcast_i64x4(load32(b + 16)) : _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      __mmask32 fifth[4] = {};
+      if constexpr (FIVE) {
+        for (int i = 0; i < 4; ++i) {  // word i's bit: chunk 2h (words 0-15) or 2h+1, odd bytes in the high byte
+          const int bit = 4 * h + (i >= 2 ? 1 : 0), byte = i % 2 ? 8 : 0;
+          fifth[i] = _mm512_test_epi16_mask(qh, _mm512_inserti64x4(_mm512_set1_epi16(static_cast<short>(1 << (bit + byte))),
+                                            _mm256_set1_epi16(static_cast<short>(1 << (bit + 2 + byte))), 1));
+        }
+      }
+      __m512i w[4];
+      nibble_words<FIVE>(_mm512_loadu_si512(qs + 64 * h), w, fifth);
+      const __m512i lo[2] = {w[0], w[1]}, hi[2] = {w[2], w[3]};
+      const int64_t at = sb * 256 + 128 * h;
+      d.tile(lo, PAIR, at, pair_scales(s, 4 * h, 4 * h + 2));
+      d.template tile<2, true>(hi, PAIR, at + 64, pair_scales(s, 4 * h + 1, 4 * h + 3));
+    }
+  }
+}
+
 template <int R>
 inline void super_blocks(int64_t t, const uint8_t* row, int64_t K, Dots<R>& d) {
   static const Table codes(0), q6_k(32);
@@ -178,80 +238,51 @@ inline void super_blocks(int64_t t, const uint8_t* row, int64_t K, Dots<R>& d) {
     }
     return;
   }
-  const bool five = t == Q5_K;
-  const __m512i sixteen = _mm512_set1_epi8(16);
-  for (int64_t sb = 0; sb < K / 256; ++sb) {
-    const uint8_t* b = row + sb * (five ? 176 : 144);
-    for (int l = 0; l < (five ? 176 : 144); l += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH + l), _MM_HINT_T0);
-    alignas(32) uint8_t sm[16];
-    scales_k4(b + 4, sm);
-    const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm)))));
-    d.mins8(sb * 8, _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8))))));
-    const __m512 s = _mm512_castps256_ps512(s8);
-    const uint8_t* qs = b + (five ? 48 : 16);
-    const __m512i v0 = _mm512_loadu_si512(qs), v1 = _mm512_loadu_si512(qs + 64);
-    __m512i q[4] = {_mm512_and_si512(v0, m4), _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4),
-                    _mm512_and_si512(v1, m4), _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4)};
-    if (five) {  // bit 4 of sub-block j's codes is bit j of qh's bytes
-      const __m512i qh = _mm512_broadcast_i64x4(load32(b + 16));
-      static const int first[4] = {0, 1, 4, 5};
-      for (int z = 0; z < 4; ++z) {
-        const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << first[z])),
-                                               _mm256_set1_epi8(static_cast<char>(1 << (first[z] + 2))), 1);
-        q[z] = _mm512_mask_add_epi8(q[z], _mm512_test_epi8_mask(qh, bit), q[z], sixteen);
-      }
-    }
-    for (int z = 0; z < 4; ++z) {
-      const __m512i w[2] = {words_lo(q[z], codes.lo), words_hi(q[z], codes.lo)};
-      static const int first[4] = {0, 1, 4, 5};
-      if (z % 2) d.template tile<2, true>(w, PAIR, sb * 256 + 64 * z, pair_scales(s, first[z], first[z] + 2));
-      else d.tile(w, PAIR, sb * 256 + 64 * z, pair_scales(s, first[z], first[z] + 2));
-    }
-  }
+  if (t == Q5_K) return k_quant_nibbles<true>(row, K, d);
+  return k_quant_nibbles<false>(row, K, d);
 }
 
 // Q4_0 / Q4_1 / Q5_0 / Q5_1: eight blocks' fp16 scales (and mins) gathered at once, then two
-// tiles of four blocks each.
-template <int R>
+// registers of four blocks' nibbles. Block L's code j has its fifth bit at bit j of its qh.
+template <bool FIVE, int R>
 inline void legacy_blocks(int64_t t, const Format& f, const uint8_t* row, int64_t K, Dots<R>& d) {
-  static const Table unsigned_codes(0), q4_0(8), q5_0(16);
-  const bool with_min = t == Q4_1 || t == Q5_1, five = t == Q5_0 || t == Q5_1;
-  const __m512i table = (t == Q4_0 ? q4_0 : t == Q5_0 ? q5_0 : unsigned_codes).lo;
-  const int64_t head = (with_min ? 4 : 2) + (five ? 4 : 0), blocks = K / 32;
+  const bool with_min = t == Q4_1 || t == Q5_1;
+  // w = d (q - offset) + m = (2^bits d) v + (m - (2^bits + offset) d), v = 1 + q / 2^bits.
+  const float levels = FIVE ? 32.f : 16.f, offset = with_min ? 0.f : levels / 2;
+  const int64_t head = (with_min ? 4 : 2) + (FIVE ? 4 : 0), blocks = K / 32;
   const __m256i stride = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                             _mm256_set1_epi32(static_cast<int>(f.bytes)));
-  const __m512i m4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
     const int64_t nb = std::min<int64_t>(8, blocks - b0);
     const __mmask8 live = static_cast<__mmask8>((1u << nb) - 1);
     const uint8_t* base = row + b0 * f.bytes;
+    _mm_prefetch(reinterpret_cast<const char*>(base + PREFETCH), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(base + PREFETCH + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(base + PREFETCH + 128), _MM_HINT_T0);
     const __m256i dm = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), live, stride, base, 1);
-    const __m512 s = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm256_cvtepi32_epi16(dm)));
-    if (with_min) d.mins8(b0, _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(dm, 16))), live);
+    const __m256 s8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(dm));
+    const __m256 m8 = with_min ? _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(dm, 16))) : _mm256_setzero_ps();
+    d.mins8(b0, _mm256_fnmadd_ps(_mm256_set1_ps(levels + offset), s8, m8), live);
+    const __m512 s = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(levels), s8));
     for (int64_t g = 0; g < nb; g += 4) {
       __m128i raw[4];
-      uint64_t hi5 = 0, lo5 = 0;
+      __mmask32 fifth[4] = {};
       for (int L = 0; L < 4; ++L) {
         const bool here = g + L < nb;
         const uint8_t* b = base + (g + L) * f.bytes;
         raw[L] = here ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + head)) : _mm_setzero_si128();
-        if (five && here) {
+        if (FIVE && here) {
           uint32_t qh;
           std::memcpy(&qh, b + (with_min ? 4 : 2), 4);
-          lo5 |= static_cast<uint64_t>(qh & 0xFFFF) << (16 * L);
-          hi5 |= static_cast<uint64_t>(qh >> 16) << (16 * L);
+          // Words 0-3: codes 0, 2, .. 14 / 1, 3, .. 15 / 16, 18, .. 30 / 17, .. 31 of each block.
+          static constexpr uint32_t pick[4] = {0x5555u, 0xAAAAu, 0x55550000u, 0xAAAA0000u};
+          for (int i = 0; i < 4; ++i) fifth[i] |= _pext_u32(qh, pick[i]) << (8 * L);
         }
       }
       const __m512i v = _mm512_inserti64x4(
           _mm512_castsi256_si512(_mm256_set_m128i(raw[1], raw[0])), _mm256_set_m128i(raw[3], raw[2]), 1);
-      __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-      if (five) {
-        lo = _mm512_mask_add_epi8(lo, lo5, lo, sixteen);
-        hi = _mm512_mask_add_epi8(hi, hi5, hi, sixteen);
-      }
-      const __m512i w[4] = {words_lo(lo, table), words_hi(lo, table), words_lo(hi, table), words_hi(hi, table)};
+      __m512i w[4];
+      nibble_words<FIVE>(v, w, fifth);
       if (g) d.template tile<4, true>(w, QUAD, (b0 + g) * 32, quad_scales(s, static_cast<int>(g)));
       else d.tile(w, QUAD, (b0 + g) * 32, quad_scales(s, 0));
     }
@@ -299,7 +330,8 @@ inline void channel_r(int64_t t, const Format& f, const uint8_t* row, int64_t K,
   }
   if (t == Q8_0) q8_0_blocks(row, K, d);
   else if (f.block == 256) super_blocks(t, row, K, d);
-  else legacy_blocks(t, f, row, K, d);
+  else if (t == Q5_0 || t == Q5_1) legacy_blocks<true>(t, f, row, K, d);
+  else legacy_blocks<false>(t, f, row, K, d);
   for (int r = 0; r < R; ++r)
     out[r * stride] = _mm512_reduce_add_ps(_mm512_add_ps(d.acc[r], d.acc2[r])) +
                       _mm512_reduce_add_ps(_mm512_zextps256_ps512(d.macc[r]));
