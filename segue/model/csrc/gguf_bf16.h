@@ -6,7 +6,7 @@
 // products the fp32 path does. Here each 32-weight chunk's q go from nibbles (or 5-, 6-, 8-bit
 // codes) to bf16 words with a byte widening and one table lookup (vpermw), in natural order.
 #pragma once
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__BMI2__)
 #define SEGUE_GGUF_BF16 1
 #include <immintrin.h>
 
