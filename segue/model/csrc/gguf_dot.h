@@ -17,7 +17,6 @@ namespace gguf_dot {
 
 using gguf_bf16::Table;
 using gguf_bf16::load32;
-using gguf_bf16::scales_k4;
 
 // How a format's tiles of 64 codes map onto activation elements; one prepared copy of x per
 // layout a call needs.
@@ -171,6 +170,19 @@ inline __m512 quad_scales(__m512 s, int first) {
 constexpr int64_t PREFETCH = 4096;
 static constexpr int PAIR[2] = {0, 32}, QUAD[4] = {0, 32, 64, 96}, Q8[4] = {0, 0, 32, 32};
 
+// gguf_bf16::scales_k4 in one register: bytes 0-7 the eight 6-bit scales, 8-15 the mins. Going
+// through memory instead, two 32-bit stores feed each 64-bit load, which store forwarding cannot
+// serve. Lanes of the 12 packed bytes: u0 u1 u2 (a fourth read past them, in the block, unused).
+inline __m128i scales_mins(const uint8_t* packed) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
+  // out = (u0 & 0x3f.., u2 & 0x0f.. | hi2(u0), u1 & 0x3f.., u2 >> 4 & 0x0f.. | hi2(u1)),
+  // hi2(u): each byte's top two bits moved to bits 4-5.
+  const __m128i low = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
+  const __m128i top = _mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 2);
+  return _mm_or_si128(_mm_and_si128(low, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)),
+                      _mm_and_si128(top, _mm_setr_epi32(0, 0x30303030, 0, 0x30303030)));
+}
+
 // Q4_K / Q5_K: per half super-block, 64 bytes of nibbles are sub-blocks (0,2) in their low
 // nibbles and (1,3) in their high ones (or 4-7), 32 bytes each; Q5_K's fifth bits are bit
 // (2 * chunk, +1 for high nibbles) of the byte of qh at the same position.
@@ -181,12 +193,10 @@ inline void k_quant_nibbles(const uint8_t* row, int64_t K, Dots<R>& d) {
   for (int64_t sb = 0; sb < K / 256; ++sb) {
     const uint8_t* b = row + sb * bytes;
     for (int l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH + l), _MM_HINT_T0);
-    alignas(32) uint8_t sm[16];
-    scales_k4(b + 4, sm);
-    const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm)))));
+    const __m128i sm = scales_mins(b + 4);
+    const __m256 s8 = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
     const __m256 m8 = _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8)))));
+        _mm_unpackhi_epi64(sm, sm))));
     d.mins8(sb * 8, _mm256_fnmadd_ps(scale, s8, m8));
     const __m512 s = _mm512_castps256_ps512(_mm256_mul_ps(scale, s8));
     const uint8_t* qs = b + (FIVE ? 48 : 16);
