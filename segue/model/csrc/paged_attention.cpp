@@ -229,7 +229,9 @@ static void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k
 #pragma omp parallel if (n * kv_heads > 1)
   {
     std::vector<float> scores, row_f, qf(group * dim), acc(group * dim);
-#pragma omp for schedule(dynamic, 4)
+    // One item at a time: a single sequence has as few items as KV heads (2 or 3), and chunks of
+    // four gave them all to one thread.
+#pragma omp for schedule(dynamic, 1)
     for (int64_t idx = 0; idx < n * kv_heads; ++idx) {
       const int64_t s = idx / kv_heads, h = idx % kv_heads;
       const T* qs = qp + (s * heads + h * group) * dim;
