@@ -117,6 +117,36 @@ def test_decode_batch_with_padded_tables(nh, kvh, hd, dtype):
             assert (out[i].double() - ref[0]).abs().max() < TOLERANCE[dtype], backend
 
 
+@pytest.mark.skipif(KERNELS is None, reason="native kernels unavailable (no compiler)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@HEADS
+@pytest.mark.parametrize("lens", [[1900], [700, 3]], ids=["one", "long+short"])
+def test_decode_of_few_sequences_splits_long_contexts_and_merges_the_parts(nh, kvh, hd, dtype, lens):
+    """Fewer (sequence, KV head) items than two per thread: each long context is cut into parts
+    whose partial softmaxes are merged, and the result is the same attention; in batch-invariant
+    (logical order) runs nothing is split."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(4, threads))   # parts need idle threads to be asked for
+    try:
+        max_blocks = -(-max(lens) // BS)
+        kc, vc, _ = make_cache(kvh, hd, sum(lens) + 2 * BS, dtype, seed=5)
+        perm = torch.randperm(kc.shape[1], generator=torch.Generator().manual_seed(6))
+        tables, used = [], 0
+        for n in lens:
+            own = -(-n // BS)
+            tables.append(perm[used:used + own].tolist() + [0] * (max_blocks - own))
+            used += own
+        q = torch.randn(len(lens), nh, hd, generator=torch.Generator().manual_seed(7)).to(dtype)
+        for logical in (False, True):
+            out = KERNELS.paged_decode_attention(q, kc, vc, torch.tensor(tables), torch.tensor(lens), hd ** -0.5,
+                                                 logical).reshape(len(lens), -1)
+            for i, n in enumerate(lens):
+                ref = reference(q[i:i + 1], kc, vc, torch.tensor(tables[i][:-(-n // BS)]), n - 1)
+                assert (out[i].double() - ref[0]).abs().max() < TOLERANCE.get(dtype, 2e-3), (logical, i)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def layout(nh=9, kvh=3, hd=64, dtype=torch.bfloat16) -> at.HeadLayout:
     return at.HeadLayout(nh, kvh, hd, dtype, dtype)
 

@@ -13,60 +13,73 @@
 #include <cmath>
 #include <vector>
 
-// One (sequence, KV head) pair. DIM > 0 fixes the head size at compile time so the dot
-// products fully unroll into vector FMAs; DIM == 0 is the generic fallback.
+// The max of no scores (an empty part); finite, since the kernels build with -ffast-math.
+constexpr float kNoScore = -3.0e38f;
+
+// Rows of a sequence's first ctx positions held by table entries order[o0, o1).
+static int64_t rows_in(const std::vector<int64_t>& order, size_t o0, size_t o1, int64_t ctx, int64_t block_size) {
+  int64_t rows = 0;
+  for (size_t oi = o0; oi < o1; ++oi) rows += std::min(block_size, ctx - order[oi] * block_size);
+  return rows;
+}
+
+// One (sequence, KV head) pair over the positions of table entries order[o0, o1): for each query
+// head g of the group, mx[g] and sum[g] of its scores' softmax (max, and sum of e^(score - max))
+// and acc_out[g] = sum_pos e^(score - max) v_pos, not yet divided by sum (a partition of a long
+// context is merged with the others first). DIM > 0 fixes the head size at compile time so the
+// dot products fully unroll into vector FMAs; DIM == 0 is the generic fallback.
 template <typename T, int64_t DIM>
-static void attend_one(const float* qs, const T* kp, const T* vp, const int64_t* table,
-                       int64_t ctx, int64_t h, int64_t group, int64_t dim_rt, int64_t num_blocks,
-                       int64_t block_size, float scale, float* acc_out, std::vector<float>& scores,
-                       std::vector<float>& row_f) {
-  const int64_t dim = DIM > 0 ? DIM : dim_rt;
-  scores.assign(group * ctx, 0.f);
+static void attend_one(const float* qs, const T* kp, const T* vp, const int64_t* table, const std::vector<int64_t>& order,
+                       size_t o0, size_t o1, int64_t ctx, int64_t h, int64_t group, int64_t dim_rt, int64_t num_blocks,
+                       int64_t block_size, float scale, float* acc_out, float* mx, float* sum,
+                       std::vector<float>& scores, std::vector<float>& row_f) {
+  const int64_t dim = DIM > 0 ? DIM : dim_rt, rows = rows_in(order, o0, o1, ctx, block_size);
+  scores.assign(group * rows, 0.f);
   row_f.resize(dim);
-  for (int64_t pos = 0; pos < ctx; ++pos) {
-    const T* kr = kp + ((h * num_blocks + table[pos / block_size]) * block_size + pos % block_size) * dim;
-    const float* kf;
-    if constexpr (std::is_same_v<T, float>) {
-      kf = kr;
-    } else {
-      for (int64_t d = 0; d < dim; ++d) row_f[d] = static_cast<float>(kr[d]);
-      kf = row_f.data();
+  // fn(row of the cache, visit index) over the range's rows of head h in `cache`.
+  auto each_row = [&](const T* cache, auto&& fn) {
+    int64_t i = 0;
+    for (size_t oi = o0; oi < o1; ++oi) {
+      const int64_t b = order[oi], n = std::min(block_size, ctx - b * block_size);
+      for (int64_t j = 0; j < n; ++j, ++i) fn(cache + ((h * num_blocks + table[b]) * block_size + j) * dim, i);
     }
+  };
+  auto as_float = [&](const T* r) -> const float* {
+    if constexpr (std::is_same_v<T, float>) {
+      return r;
+    } else {
+      for (int64_t d = 0; d < dim; ++d) row_f[d] = static_cast<float>(r[d]);
+      return row_f.data();
+    }
+  };
+  each_row(kp, [&](const T* kr, int64_t i) {
+    const float* kf = as_float(kr);
     for (int64_t g = 0; g < group; ++g) {
       const float* qr = qs + g * dim;
       float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
       for (int64_t d = 0; d < dim; ++d) acc += qr[d] * kf[d];
-      scores[g * ctx + pos] = acc * scale;
+      scores[g * rows + i] = acc * scale;
     }
-  }
+  });
   for (int64_t g = 0; g < group; ++g) {
-    float* row = scores.data() + g * ctx;
-    const float mx = *std::max_element(row, row + ctx);
-    float sum = 0.f;
-    for (int64_t pos = 0; pos < ctx; ++pos) {
-      row[pos] = std::exp(row[pos] - mx);
-      sum += row[pos];
+    float* row = scores.data() + g * rows;
+    mx[g] = rows ? *std::max_element(row, row + rows) : kNoScore;
+    sum[g] = 0.f;
+    for (int64_t i = 0; i < rows; ++i) {
+      row[i] = std::exp(row[i] - mx[g]);
+      sum[g] += row[i];
     }
-    const float inv = 1.f / sum;
-    for (int64_t pos = 0; pos < ctx; ++pos) row[pos] *= inv;
   }
-  for (int64_t pos = 0; pos < ctx; ++pos) {
-    const T* vr = vp + ((h * num_blocks + table[pos / block_size]) * block_size + pos % block_size) * dim;
-    const float* vf;
-    if constexpr (std::is_same_v<T, float>) {
-      vf = vr;
-    } else {
-      for (int64_t d = 0; d < dim; ++d) row_f[d] = static_cast<float>(vr[d]);
-      vf = row_f.data();
-    }
+  each_row(vp, [&](const T* vr, int64_t i) {
+    const float* vf = as_float(vr);
     for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * ctx + pos];
+      const float p = scores[g * rows + i];
       float* orow = acc_out + g * dim;
 #pragma omp simd
       for (int64_t d = 0; d < dim; ++d) orow[d] += p * vf[d];
     }
-  }
+  });
 }
 
 #ifdef __AVX2__
@@ -119,33 +132,33 @@ inline void load64(const c10::BFloat16* p, __m256* r) {  // bf16 is the top half
 // on an AMD EPYC with avx512_bf16; 2, 4 and 8 blocks ahead were within 5 % of each other).
 constexpr size_t kPrefetchBlocks = 4;
 template <typename T, typename Fn>
-inline void for_each_row(const T* cache, const int64_t* table, const std::vector<int64_t>& order, int64_t ctx,
-                         int64_t head_base, int64_t block_size, Fn&& fn) {
-  const size_t nb = order.size();
-  for (size_t oi = 0; oi < nb; ++oi) {
+inline void for_each_row(const T* cache, const int64_t* table, const std::vector<int64_t>& order, size_t o0,
+                         size_t o1, int64_t ctx, int64_t head_base, int64_t block_size, Fn&& fn) {
+  int64_t visit = 0;  // fn gets (row, its index in visiting order)
+  for (size_t oi = o0; oi < o1; ++oi) {
     const int64_t b = order[oi];
     const int64_t pos0 = b * block_size;
     const T* block = cache + head_base + table[b] * block_size * 64;
     const int64_t n = std::min(block_size, ctx - pos0);
-    const char* ahead = oi + kPrefetchBlocks < nb
+    const char* ahead = oi + kPrefetchBlocks < o1
         ? reinterpret_cast<const char*>(cache + head_base + table[order[oi + kPrefetchBlocks]] * block_size * 64) : nullptr;
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < n; ++i, ++visit) {
       if (ahead != nullptr)
         for (size_t off = 0; off < 64 * sizeof(T); off += 64) _mm_prefetch(ahead + i * 64 * sizeof(T) + off, _MM_HINT_T0);
-      fn(block + i * 64, pos0 + i);
+      fn(block + i * 64, visit);
     }
   }
 }
 
-// Same contract as attend_one<T, 64>, but writes the normalized output to acc_out; `order` is
-// the sequence's block_order.
+// Same contract as attend_one<T, 64>.
 template <typename T>
 void attend64(const float* qs, const T* kp, const T* vp, const int64_t* table, const std::vector<int64_t>& order,
-              int64_t ctx, int64_t h, int64_t group, int64_t num_blocks, int64_t block_size, float scale,
-              float* acc_out, std::vector<float>& scores) {
-  scores.resize(group * ctx);
+              size_t o0, size_t o1, int64_t ctx, int64_t h, int64_t group, int64_t num_blocks, int64_t block_size,
+              float scale, float* acc_out, float* mx, float* sum, std::vector<float>& scores) {
+  const int64_t rows = rows_in(order, o0, o1, ctx, block_size);
+  scores.resize(group * rows);
   const int64_t head_base = h * num_blocks * block_size * 64;
-  for_each_row(kp, table, order, ctx, head_base, block_size, [&](const T* kr, int64_t pos) {
+  for_each_row(kp, table, order, o0, o1, ctx, head_base, block_size, [&](const T* kr, int64_t i) {
     __m256 k[8];
     load64(kr, k);
     for (int64_t g = 0; g < group; ++g) {
@@ -156,37 +169,34 @@ void attend64(const float* qs, const T* kp, const T* vp, const int64_t* table, c
         a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j), k[j], a);
         b = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j + 8), k[j + 1], b);
       }
-      scores[g * ctx + pos] = hsum(_mm256_add_ps(a, b)) * scale;
+      scores[g * rows + i] = hsum(_mm256_add_ps(a, b)) * scale;
     }
   });
-  float inv[16];  // group <= 16, checked before the parallel region
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * ctx;
-    const float mx = *std::max_element(s, s + ctx);
-    const __m256 vmx = _mm256_set1_ps(mx);
+    float* s = scores.data() + g * rows;
+    mx[g] = rows ? *std::max_element(s, s + rows) : kNoScore;
+    const __m256 vmx = _mm256_set1_ps(mx[g]);
     __m256 vsum = _mm256_setzero_ps();
     int64_t i = 0;
-    for (; i + 8 <= ctx; i += 8) {
+    for (; i + 8 <= rows; i += 8) {
       const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmx));
       _mm256_storeu_ps(s + i, e);
       vsum = _mm256_add_ps(vsum, e);
     }
-    float sum = hsum(vsum);
-    for (; i < ctx; ++i) sum += (s[i] = std::exp(s[i] - mx));
-    inv[g] = 1.f / sum;
+    sum[g] = hsum(vsum);
+    for (; i < rows; ++i) sum[g] += (s[i] = std::exp(s[i] - mx[g]));
   }
   for (int64_t g = 0; g < group; ++g) {
     __m256 acc[8];
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-    const float* s = scores.data() + g * ctx;
-    for_each_row(vp, table, order, ctx, head_base, block_size, [&](const T* vr, int64_t pos) {
+    const float* s = scores.data() + g * rows;
+    for_each_row(vp, table, order, o0, o1, ctx, head_base, block_size, [&](const T* vr, int64_t i) {
       __m256 v[8];
       load64(vr, v);
-      const __m256 p = _mm256_set1_ps(s[pos]);
+      const __m256 p = _mm256_set1_ps(s[i]);
       for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(p, v[j], acc[j]);
     });
-    const __m256 vinv = _mm256_set1_ps(inv[g]);
-    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(acc_out + g * 64 + 8 * j, _mm256_mul_ps(acc[j], vinv));
+    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(acc_out + g * 64 + 8 * j, acc[j]);
   }
 }
 
@@ -204,6 +214,9 @@ static std::vector<int64_t> block_order(const int64_t* table, int64_t ctx, int64
     std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return table[x] < table[y]; });
   return order;
 }
+
+// Fewest positions worth a part of their own (a part costs a merge of group x dim floats).
+constexpr int64_t kMinPartRows = 256;
 
 // T: the queries' and output's dtype; C: the cache's (bf16 under fp32 queries halves the bytes read).
 template <typename T, typename C>
@@ -224,39 +237,82 @@ static void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k
   // Once per sequence, not per (sequence, KV head) item.
   std::vector<std::vector<int64_t>> orders(n);
   for (int64_t s = 0; s < n; ++s) orders[s] = block_order(bt + s * max_blocks, cl[s], block_size, logical_order);
+  // Fewer (sequence, KV head) items than two per thread (one agent decoding alone has 2-8) leave
+  // threads idle for the whole call: each item's blocks are then split into `parts` and the
+  // partial softmaxes merged. Not in batch-invariant runs, where a sequence's sums must not depend
+  // on what else is in the batch, nor below kMinPartRows positions a part.
+  const int64_t items = n * kv_heads, threads = omp_get_max_threads();
+  int64_t parts = 1;
+  if (!logical_order && n > 0 && items < 2 * threads) {
+    const int64_t longest = *std::max_element(cl, cl + n);
+    parts = std::max<int64_t>(1, std::min((2 * threads + items - 1) / items, longest / kMinPartRows));
+  }
+  std::vector<float> part_acc(parts > 1 ? items * parts * group * dim : 0);
+  std::vector<float> part_mx(parts > 1 ? items * parts * group : 0), part_sum(part_mx.size());
   // Plain OpenMP rather than at::parallel_for: the latter runs serially in extensions built
   // without torch's own OpenMP setup (measured: no speedup from a second thread).
-#pragma omp parallel if (n * kv_heads > 1)
+#pragma omp parallel if (items * parts > 1)
   {
-    std::vector<float> scores, row_f, qf(group * dim), acc(group * dim);
-    // One item at a time: a single sequence has as few items as KV heads (2 or 3), and chunks of
-    // four gave them all to one thread.
+    std::vector<float> scores, row_f, qf(group * dim), acc(group * dim), mx(group), sum(group);
+    // One item at a time: a single sequence has as few items as KV heads times parts.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t idx = 0; idx < n * kv_heads; ++idx) {
-      const int64_t s = idx / kv_heads, h = idx % kv_heads;
+    for (int64_t idx = 0; idx < items * parts; ++idx) {
+      const int64_t item = idx / parts, part = idx % parts, s = item / kv_heads, h = item % kv_heads;
+      const size_t nb = orders[s].size(), o0 = nb * part / parts, o1 = nb * (part + 1) / parts;
       const T* qs = qp + (s * heads + h * group) * dim;
       for (int64_t i = 0; i < group * dim; ++i) qf[i] = static_cast<float>(qs[i]);
       std::fill(acc.begin(), acc.end(), 0.f);
       const int64_t* table = bt + s * max_blocks;
+      bool done = false;
 #ifdef __AVX2__
       if constexpr (std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>) {
         if (dim == 64) {
-          avx2::attend64<C>(qf.data(), kp, vp, table, orders[s], cl[s], h, group, num_blocks, block_size, scale,
-                            acc.data(), scores);
-          T* os = op + (s * heads + h * group) * dim;
-          for (int64_t i = 0; i < group * dim; ++i) os[i] = static_cast<T>(acc[i]);
-          continue;
+          avx2::attend64<C>(qf.data(), kp, vp, table, orders[s], o0, o1, cl[s], h, group, num_blocks, block_size,
+                            scale, acc.data(), mx.data(), sum.data(), scores);
+          done = true;
         }
       }
 #endif
-      if (dim == 64)
-        attend_one<C, 64>(qf.data(), kp, vp, table, cl[s], h, group, dim, num_blocks, block_size, scale, acc.data(), scores, row_f);
-      else if (dim == 128)
-        attend_one<C, 128>(qf.data(), kp, vp, table, cl[s], h, group, dim, num_blocks, block_size, scale, acc.data(), scores, row_f);
-      else
-        attend_one<C, 0>(qf.data(), kp, vp, table, cl[s], h, group, dim, num_blocks, block_size, scale, acc.data(), scores, row_f);
-      T* os = op + (s * heads + h * group) * dim;
-      for (int64_t i = 0; i < group * dim; ++i) os[i] = static_cast<T>(acc[i]);
+      if (!done && dim == 64)
+        attend_one<C, 64>(qf.data(), kp, vp, table, orders[s], o0, o1, cl[s], h, group, dim, num_blocks, block_size,
+                          scale, acc.data(), mx.data(), sum.data(), scores, row_f);
+      else if (!done && dim == 128)
+        attend_one<C, 128>(qf.data(), kp, vp, table, orders[s], o0, o1, cl[s], h, group, dim, num_blocks, block_size,
+                           scale, acc.data(), mx.data(), sum.data(), scores, row_f);
+      else if (!done)
+        attend_one<C, 0>(qf.data(), kp, vp, table, orders[s], o0, o1, cl[s], h, group, dim, num_blocks, block_size,
+                         scale, acc.data(), mx.data(), sum.data(), scores, row_f);
+      if (parts == 1) {
+        T* os = op + (s * heads + h * group) * dim;
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t d = 0; d < dim; ++d) os[g * dim + d] = static_cast<T>(acc[g * dim + d] / sum[g]);
+        continue;
+      }
+      std::copy(acc.begin(), acc.end(), part_acc.begin() + idx * group * dim);
+      std::copy(mx.begin(), mx.end(), part_mx.begin() + idx * group);
+      std::copy(sum.begin(), sum.end(), part_sum.begin() + idx * group);
+    }
+    // The parts of an item, merged (after the loop's barrier): rescaled to their common max.
+    if (parts > 1) {
+#pragma omp for schedule(static)
+      for (int64_t item = 0; item < items; ++item) {
+        const int64_t s = item / kv_heads, h = item % kv_heads;
+        T* os = op + (s * heads + h * group) * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          float top = kNoScore, total = 0.f;
+          for (int64_t p = 0; p < parts; ++p) top = std::max(top, part_mx[(item * parts + p) * group + g]);
+          std::fill(acc.begin(), acc.begin() + dim, 0.f);
+          for (int64_t p = 0; p < parts; ++p) {
+            const int64_t at = (item * parts + p) * group + g;
+            if (part_sum[at] == 0.f) continue;  // an empty part (fewer blocks than parts)
+            const float w = std::exp(part_mx[at] - top);
+            total += w * part_sum[at];
+            const float* pa = part_acc.data() + at * dim;
+            for (int64_t d = 0; d < dim; ++d) acc[d] += w * pa[d];
+          }
+          for (int64_t d = 0; d < dim; ++d) os[g * dim + d] = static_cast<T>(acc[d] / total);
+        }
+      }
     }
   }
 }
