@@ -83,7 +83,7 @@ static void attend_one(const float* qs, const T* kp, const T* vp, const int64_t*
 }
 
 #ifdef __AVX2__
-// The AVX2 path for 64-wide heads (fp32 or bf16 cache): at batch 64 a decode step reads every
+// The AVX2 path for 64- and 128-wide heads (fp32 or bf16 cache): at batch 64 a decode step reads every
 // sequence's K and V once per layer, so this kernel should run at memory bandwidth. The generic
 // loop above ran at a third of it (scalar softmax, a horizontal reduction per score, the output
 // row reloaded for every position).
@@ -107,16 +107,20 @@ inline __m256 exp_nonpos(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-inline void load64(const float* p, __m256* r) {
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(p + 8 * i);
+// A DIM-wide row as DIM / 8 fp32 registers.
+template <int DIM>
+inline void load_row(const float* p, __m256* r) {
+  for (int i = 0; i < DIM / 8; ++i) r[i] = _mm256_loadu_ps(p + 8 * i);
 }
-inline void load64(const c10::BFloat16* p, __m256* r) {  // bf16 is the top half of an fp32
+template <int DIM>
+inline void load_row(const c10::BFloat16* p, __m256* r) {  // bf16 is the top half of an fp32
   const auto* u = reinterpret_cast<const __m128i*>(p);
-  for (int i = 0; i < 8; ++i)
+  for (int i = 0; i < DIM / 8; ++i)
     r[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(u + i)), 16));
 }
 
-// Calls fn(row, pos) for each of a sequence's first ctx cached 64-wide rows of one head. Blocks
+// Calls fn(row, visit index) for each of a sequence's cached DIM-wide rows of one head held by
+// table entries order[o0, o1). Blocks
 // are visited in the order of their ids (`order`: the table's indices sorted by block id), not
 // the table's (unless asked, see block_order): attention does not depend on the order positions
 // are visited in, beyond the last bits of its sums, and the CPU's
@@ -131,41 +135,42 @@ inline void load64(const c10::BFloat16* p, __m256* r) {  // bf16 is the top half
 // start helped a shuffled table only): 10 ms and 13 ms, consecutive blocks unchanged (measured
 // on an AMD EPYC with avx512_bf16; 2, 4 and 8 blocks ahead were within 5 % of each other).
 constexpr size_t kPrefetchBlocks = 4;
-template <typename T, typename Fn>
+template <int DIM, typename T, typename Fn>
 inline void for_each_row(const T* cache, const int64_t* table, const std::vector<int64_t>& order, size_t o0,
                          size_t o1, int64_t ctx, int64_t head_base, int64_t block_size, Fn&& fn) {
   int64_t visit = 0;  // fn gets (row, its index in visiting order)
   for (size_t oi = o0; oi < o1; ++oi) {
     const int64_t b = order[oi];
     const int64_t pos0 = b * block_size;
-    const T* block = cache + head_base + table[b] * block_size * 64;
+    const T* block = cache + head_base + table[b] * block_size * DIM;
     const int64_t n = std::min(block_size, ctx - pos0);
     const char* ahead = oi + kPrefetchBlocks < o1
-        ? reinterpret_cast<const char*>(cache + head_base + table[order[oi + kPrefetchBlocks]] * block_size * 64) : nullptr;
+        ? reinterpret_cast<const char*>(cache + head_base + table[order[oi + kPrefetchBlocks]] * block_size * DIM) : nullptr;
     for (int64_t i = 0; i < n; ++i, ++visit) {
       if (ahead != nullptr)
-        for (size_t off = 0; off < 64 * sizeof(T); off += 64) _mm_prefetch(ahead + i * 64 * sizeof(T) + off, _MM_HINT_T0);
-      fn(block + i * 64, visit);
+        for (size_t off = 0; off < DIM * sizeof(T); off += 64) _mm_prefetch(ahead + i * DIM * sizeof(T) + off, _MM_HINT_T0);
+      fn(block + i * DIM, visit);
     }
   }
 }
 
-// Same contract as attend_one<T, 64>.
-template <typename T>
-void attend64(const float* qs, const T* kp, const T* vp, const int64_t* table, const std::vector<int64_t>& order,
+// Same contract as attend_one<T, DIM>, for DIM of 64 or 128 (8 or 16 registers a row).
+template <int DIM, typename T>
+void attend(const float* qs, const T* kp, const T* vp, const int64_t* table, const std::vector<int64_t>& order,
               size_t o0, size_t o1, int64_t ctx, int64_t h, int64_t group, int64_t num_blocks, int64_t block_size,
               float scale, float* acc_out, float* mx, float* sum, std::vector<float>& scores) {
   const int64_t rows = rows_in(order, o0, o1, ctx, block_size);
   scores.resize(group * rows);
-  const int64_t head_base = h * num_blocks * block_size * 64;
-  for_each_row(kp, table, order, o0, o1, ctx, head_base, block_size, [&](const T* kr, int64_t i) {
-    __m256 k[8];
-    load64(kr, k);
+  constexpr int W = DIM / 8;
+  const int64_t head_base = h * num_blocks * block_size * DIM;
+  for_each_row<DIM>(kp, table, order, o0, o1, ctx, head_base, block_size, [&](const T* kr, int64_t i) {
+    __m256 k[W];
+    load_row<DIM>(kr, k);
     for (int64_t g = 0; g < group; ++g) {
-      const float* q = qs + g * 64;
+      const float* q = qs + g * DIM;
       __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]);
       __m256 b = _mm256_mul_ps(_mm256_loadu_ps(q + 8), k[1]);
-      for (int j = 2; j < 8; j += 2) {
+      for (int j = 2; j < W; j += 2) {
         a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j), k[j], a);
         b = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * j + 8), k[j + 1], b);
       }
@@ -187,16 +192,16 @@ void attend64(const float* qs, const T* kp, const T* vp, const int64_t* table, c
     for (; i < rows; ++i) sum[g] += (s[i] = std::exp(s[i] - mx[g]));
   }
   for (int64_t g = 0; g < group; ++g) {
-    __m256 acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    __m256 acc[W];
+    for (int j = 0; j < W; ++j) acc[j] = _mm256_setzero_ps();
     const float* s = scores.data() + g * rows;
-    for_each_row(vp, table, order, o0, o1, ctx, head_base, block_size, [&](const T* vr, int64_t i) {
-      __m256 v[8];
-      load64(vr, v);
+    for_each_row<DIM>(vp, table, order, o0, o1, ctx, head_base, block_size, [&](const T* vr, int64_t i) {
+      __m256 v[W];
+      load_row<DIM>(vr, v);
       const __m256 p = _mm256_set1_ps(s[i]);
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(p, v[j], acc[j]);
+      for (int j = 0; j < W; ++j) acc[j] = _mm256_fmadd_ps(p, v[j], acc[j]);
     });
-    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(acc_out + g * 64 + 8 * j, acc[j]);
+    for (int j = 0; j < W; ++j) _mm256_storeu_ps(acc_out + g * DIM + 8 * j, acc[j]);
   }
 }
 
@@ -266,9 +271,10 @@ static void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k
       bool done = false;
 #ifdef __AVX2__
       if constexpr (std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16>) {
-        if (dim == 64) {
-          avx2::attend64<C>(qf.data(), kp, vp, table, orders[s], o0, o1, cl[s], h, group, num_blocks, block_size,
-                            scale, acc.data(), mx.data(), sum.data(), scores);
+        if (dim == 64 || dim == 128) {
+          (dim == 64 ? avx2::attend<64, C> : avx2::attend<128, C>)(
+              qf.data(), kp, vp, table, orders[s], o0, o1, cl[s], h, group, num_blocks, block_size, scale, acc.data(),
+              mx.data(), sum.data(), scores);
           done = true;
         }
       }
