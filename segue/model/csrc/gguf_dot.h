@@ -269,9 +269,29 @@ inline void legacy_blocks(int64_t t, const Format& f, const uint8_t* row, int64_
     _mm_prefetch(reinterpret_cast<const char*>(base + PREFETCH), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(base + PREFETCH + 64), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(base + PREFETCH + 128), _MM_HINT_T0);
-    const __m256i dm = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), live, stride, base, 1);
-    const __m256 s8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(dm));
-    const __m256 m8 = with_min ? _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(dm, 16))) : _mm256_setzero_ps();
+    __m128i d16, m16;  // the eight blocks' fp16 d and m
+    if constexpr (FIVE) {  // 22- or 24-byte blocks: four headers span more than a register
+      const __m256i dm = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), live, stride, base, 1);
+      d16 = _mm256_cvtepi32_epi16(dm);
+      m16 = _mm256_cvtepi32_epi16(_mm256_srli_epi32(dm, 16));
+    } else {  // 18- or 20-byte blocks: blocks 0-3 and 4-7 each within one load, words picked by one permute
+      const int64_t half = 4 * f.bytes, words = f.bytes / 2;
+      const auto upto = [&](int64_t n) { return n >= 64 ? ~0ull : n <= 0 ? 0ull : (1ull << n) - 1; };
+      const __m512i lo = _mm512_maskz_loadu_epi8(upto(nb * f.bytes), base);
+      const __m512i hi = _mm512_maskz_loadu_epi8(upto(nb * f.bytes - half), base + half);
+      // d of block i in word i, m in word 8 + i: word (i / 4) * 32 + (i % 4) * words (+ 1) of lo:hi.
+      const __m512i idx = _mm512_add_epi16(
+          _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                           33, 33, 33, 33, 1, 1, 1, 1, 32, 32, 32, 32, 0, 0, 0, 0),
+          _mm512_mullo_epi16(_mm512_set1_epi16(static_cast<short>(words)),
+                             _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                              3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0)));
+      const __m512i picked = _mm512_permutex2var_epi16(lo, idx, hi);
+      d16 = _mm512_castsi512_si128(picked);
+      m16 = _mm512_extracti32x4_epi32(picked, 1);
+    }
+    const __m256 s8 = _mm256_cvtph_ps(d16);
+    const __m256 m8 = with_min ? _mm256_cvtph_ps(m16) : _mm256_setzero_ps();
     d.mins8(b0, _mm256_fnmadd_ps(_mm256_set1_ps(levels + offset), s8, m8), live);
     const __m512 s = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(levels), s8));
     for (int64_t g = 0; g < nb; g += 4) {
