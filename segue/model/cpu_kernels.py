@@ -26,9 +26,11 @@ logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_attention.cpp", "prefill_attention.cpp", "fused_ops.cpp", "quant_ops.cpp")]
 # Headers the sources include: part of the module's hash, not compiled on their own.
-_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("avx2_common.h", "prefill_bf16.h")]
+_HEADERS = [Path(__file__).parent / "csrc" / name
+            for name in ("avx2_common.h", "prefill_bf16.h", "decode_attention_avx2.h")]
 _GGUF_SOURCES = [Path(__file__).parent / "csrc" / "gguf_ops.cpp"]
-_GGUF_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("gguf_bf16.h", "gguf_dot.h")]
+_GGUF_HEADERS = [Path(__file__).parent / "csrc" / name
+                 for name in ("gguf_fp32.h", "gguf_bf16.h", "gguf_dot.h", "gguf_dot_formats.h")]
 
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
