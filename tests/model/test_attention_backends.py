@@ -63,6 +63,19 @@ def chunk(nh, kvh, hd, n, start_pos, dtype, seed=1):
     return q, k_new, v_new, kc, vc, table
 
 
+def padded_tables(lens: list[int], num_blocks: int, seed: int) -> list[list[int]]:
+    """Block tables of sequences of these lengths over shuffled cache blocks, padded with block 0
+    to the longest (as the executor pads a decode batch's tables)."""
+    max_blocks = -(-max(lens) // BS)
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    tables, used = [], 0
+    for n in lens:
+        own = -(-n // BS)
+        tables.append(perm[used:used + own].tolist() + [0] * (max_blocks - own))
+        used += own
+    return tables
+
+
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 HEADS = pytest.mark.parametrize("nh,kvh,hd", LAYOUTS, ids=[f"{a}q{b}kv{c}" for a, b, c in LAYOUTS])
 
@@ -97,12 +110,7 @@ def test_decode_batch_with_padded_tables(nh, kvh, hd, dtype):
     lens = [1, 37, 200]
     max_blocks = -(-max(lens) // BS)
     kc, vc, _ = make_cache(kvh, hd, sum(lens) + 3 * BS, dtype)
-    perm = torch.randperm(kc.shape[1], generator=torch.Generator().manual_seed(3))
-    tables, used = [], 0
-    for n in lens:
-        own = -(-n // BS)
-        tables.append(perm[used:used + own].tolist() + [0] * (max_blocks - own))
-        used += own
+    tables = padded_tables(lens, kc.shape[1], seed=3)
     q = torch.randn(len(lens), nh, hd, generator=torch.Generator().manual_seed(4)).to(dtype)
     ctx = torch.tensor(lens)
     blocks = torch.tensor(tables).view(-1)
@@ -128,14 +136,8 @@ def test_decode_of_few_sequences_splits_long_contexts_and_merges_the_parts(nh, k
     threads = torch.get_num_threads()
     torch.set_num_threads(max(4, threads))   # parts need idle threads to be asked for
     try:
-        max_blocks = -(-max(lens) // BS)
         kc, vc, _ = make_cache(kvh, hd, sum(lens) + 2 * BS, dtype, seed=5)
-        perm = torch.randperm(kc.shape[1], generator=torch.Generator().manual_seed(6))
-        tables, used = [], 0
-        for n in lens:
-            own = -(-n // BS)
-            tables.append(perm[used:used + own].tolist() + [0] * (max_blocks - own))
-            used += own
+        tables = padded_tables(lens, kc.shape[1], seed=6)
         q = torch.randn(len(lens), nh, hd, generator=torch.Generator().manual_seed(7)).to(dtype)
         for logical in (False, True):
             out = KERNELS.paged_decode_attention(q, kc, vc, torch.tensor(tables), torch.tensor(lens), hd ** -0.5,
