@@ -86,9 +86,6 @@ static std::vector<int64_t> block_order(const int64_t* table, int64_t ctx, int64
   return order;
 }
 
-// Fewest positions worth a part of their own (a part costs a merge of group x dim floats).
-constexpr int64_t kMinPartRows = 256;
-
 // T: the queries' and output's dtype; C: the cache's (bf16 under fp32 queries halves the bytes read).
 template <typename T, typename C>
 static void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -110,13 +107,13 @@ static void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k
   for (int64_t s = 0; s < n; ++s) orders[s] = block_order(bt + s * max_blocks, cl[s], block_size, logical_order);
   // Fewer (sequence, KV head) items than two per thread (one agent decoding alone has 2-8) leave
   // threads idle for the whole call: each item's blocks are then split into `parts` and the
-  // partial softmaxes merged. Not in batch-invariant runs, where a sequence's sums must not depend
-  // on what else is in the batch, nor below kMinPartRows positions a part.
+  // partial softmaxes merged, at least a block a part. Not in batch-invariant runs, where a
+  // sequence's sums must not depend on what else is in the batch.
   const int64_t items = n * kv_heads, threads = omp_get_max_threads();
   int64_t parts = 1;
   if (!logical_order && n > 0 && items < 2 * threads) {
     const int64_t longest = *std::max_element(cl, cl + n);
-    parts = std::max<int64_t>(1, std::min((2 * threads + items - 1) / items, longest / kMinPartRows));
+    parts = std::min((2 * threads + items - 1) / items, (longest + block_size - 1) / block_size);
   }
   std::vector<float> part_acc(parts > 1 ? items * parts * group * dim : 0);
   std::vector<float> part_mx(parts > 1 ? items * parts * group : 0), part_sum(part_mx.size());
