@@ -43,30 +43,29 @@ inline __m256i codes32(const uint8_t* p) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), _mm_and_si128(qs, m4));
 }
 
-// The 8 six-bit scales and 8 mins of a Q4_K / Q5_K super-block, unpacked four at a time in 32-bit
-// words (ggml's get_scale_min_k4 for all j at once): bytes 0-7 scales, 8-15 mins.
-inline void scales_k4(const uint8_t* packed, uint8_t out[16]) {
-  uint32_t u[4];
-  std::memcpy(u, packed, 12);
-  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-  const uint32_t mins_lo = u[1] & k1;
-  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-  u[2] = mins_lo;
-  u[0] &= k1;
-  std::memcpy(out, u, 16);
+// The 8 six-bit scales and 8 mins of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4 for all j
+// at once) in one register: bytes 0-7 the scales, 8-15 the mins. Going through memory instead,
+// two 32-bit stores feed each 64-bit load, which store forwarding cannot serve. Lanes of the 12
+// packed bytes: u0 u1 u2 (a fourth read past them, in the block, unused).
+inline __m128i scales_mins(const uint8_t* packed) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
+  // out = (u0 & 0x3f.., u2 & 0x0f.. | hi2(u0), u1 & 0x3f.., u2 >> 4 & 0x0f.. | hi2(u1)),
+  // hi2(u): each byte's top two bits moved to bits 4-5.
+  const __m128i low = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
+  const __m128i top = _mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 2);
+  return _mm_or_si128(_mm_and_si128(low, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)),
+                      _mm_and_si128(top, _mm_setr_epi32(0, 0x30303030, 0, 0x30303030)));
 }
 
 // A block's weights written out as bf16, w = s * q + m rounded once (a prefill's per-call dense
-// weight): the same unpacking as the dot products, with a sink that stores instead of summing.
+// weight), chunk by chunk of 32 codes as bf16 words in natural order.
 struct Dequant {
   c10::BFloat16* out;   // this row's K outputs
   __m256 mins = _mm256_setzero_ps();
   float min = 0.f;
 
-  inline void mins8(int64_t, __m256 m) { mins = m; }
-  inline void min1(int64_t, float m) { min = m; }
-  template <bool ODD = false>
+  inline void mins8(__m256 m) { mins = m; }
+  inline void min1(float m) { min = m; }
   inline void chunk(int64_t k, __m512i w, __m512 s) {
     // The sub-block's min: one of the super-block's eight (32-wide sub-blocks), or the block's.
     alignas(32) float m8[8];
@@ -84,23 +83,19 @@ struct Dequant {
   }
 };
 
-// One block of type t at column k0 into the sink (the rows' accumulators, or a dequantized row).
-// Forced inline: called out of line (GCC's choice for the switch over every type), the rows'
-// accumulators lived in memory and each chunk waited on a store and a reload.
-template <class Sink>
-__attribute__((always_inline)) inline void block(int64_t t, const uint8_t* b, int64_t k0, Sink& rows) {
+// One block of type t at column k0 written out by the sink. Forced inline into dequantize_row's
+// loop (GCC calls the switch over every type out of line).
+__attribute__((always_inline)) inline void block(int64_t t, const uint8_t* b, int64_t k0, Dequant& sink) {
   static const Table unsigned_codes(0), q4_0(8), q5_0(16), q6_k(32);
   switch (t) {
     case Q4_K: case Q5_K: {
       const bool five = t == Q5_K;
-      alignas(32) uint8_t sm[16];
-      scales_k4(b + 4, sm);
+      const __m128i sm = scales_mins(b + 4);
       alignas(32) float sc[8];
-      _mm256_store_ps(sc, _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm))))));
+      _mm256_store_ps(sc, _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
       const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(-f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8)))));
-      rows.mins8(k0, mins);
+          _mm_unpackhi_epi64(sm, sm))));
+      sink.mins8(mins);
       const uint8_t* qs = b + (five ? 48 : 16);
       const __m256i qh = five ? load32(b + 16) : _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
@@ -112,8 +107,8 @@ __attribute__((always_inline)) inline void block(int64_t t, const uint8_t* b, in
           lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), sixteen));
           hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), sixteen));
         }
-        rows.chunk(k0 + 64 * c, unsigned_codes.small(lo), _mm512_set1_ps(sc[2 * c]));
-        rows.template chunk<true>(k0 + 64 * c + 32, unsigned_codes.small(hi), _mm512_set1_ps(sc[2 * c + 1]));
+        sink.chunk(k0 + 64 * c, unsigned_codes.small(lo), _mm512_set1_ps(sc[2 * c]));
+        sink.chunk(k0 + 64 * c + 32, unsigned_codes.small(hi), _mm512_set1_ps(sc[2 * c + 1]));
       }
       return;
     }
@@ -132,8 +127,8 @@ __attribute__((always_inline)) inline void block(int64_t t, const uint8_t* b, in
           // Sub-blocks of 16: the chunk's first 8 lanes (pairs) take one scale, the last 8 the next.
           const int s = 8 * n + 2 * j;
           const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(s), _mm256_set1_epi32(s + 1), 1);
-          if (j % 2) rows.template chunk<true>(k0 + 128 * n + 32 * j, q6_k(codes[j]), _mm512_permutexvar_ps(idx, sc));
-          else rows.chunk(k0 + 128 * n + 32 * j, q6_k(codes[j]), _mm512_permutexvar_ps(idx, sc));
+          if (j % 2) sink.chunk(k0 + 128 * n + 32 * j, q6_k(codes[j]), _mm512_permutexvar_ps(idx, sc));
+          else sink.chunk(k0 + 128 * n + 32 * j, q6_k(codes[j]), _mm512_permutexvar_ps(idx, sc));
         }
       }
       return;
@@ -141,8 +136,8 @@ __attribute__((always_inline)) inline void block(int64_t t, const uint8_t* b, in
     case Q4_0: case Q4_1: {
       const bool with_min = t == Q4_1;
       const __m256i codes = codes32(b + (with_min ? 4 : 2));
-      if (with_min) rows.min1(k0, f16(b + 2));
-      rows.chunk(k0, (with_min ? unsigned_codes : q4_0).small(codes), _mm512_set1_ps(f16(b)));
+      if (with_min) sink.min1(f16(b + 2));
+      sink.chunk(k0, (with_min ? unsigned_codes : q4_0).small(codes), _mm512_set1_ps(f16(b)));
       return;
     }
     case Q5_0: case Q5_1: {
@@ -152,15 +147,15 @@ __attribute__((always_inline)) inline void block(int64_t t, const uint8_t* b, in
       std::memcpy(&qh, hb, 4);
       __m256i codes = codes32(hb + 4);
       codes = _mm256_or_si256(codes, _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(16)));
-      if (with_min) rows.min1(k0, f16(b + 2));
-      rows.chunk(k0, (with_min ? unsigned_codes : q5_0).small(codes), _mm512_set1_ps(f16(b)));
+      if (with_min) sink.min1(f16(b + 2));
+      sink.chunk(k0, (with_min ? unsigned_codes : q5_0).small(codes), _mm512_set1_ps(f16(b)));
       return;
     }
     case Q8_0: {
       const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
       const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
       const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
-      rows.chunk(k0, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(c, a)), _mm512_set1_ps(f16(b)));
+      sink.chunk(k0, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(c, a)), _mm512_set1_ps(f16(b)));
       return;
     }
     default: TORCH_CHECK(false, "gguf kernels: unsupported ggml type ", t);

@@ -1,15 +1,15 @@
-// Decode-sized GGUF block matmuls for bf16 activations on CPUs with AVX512-BF16 (included by
-// gguf_ops.cpp after gguf_bf16.h, whose tables and scale unpacking it shares).
+// Decode-sized GGUF block matmuls for bf16 activations on CPUs with AVX512-BF16: the activation
+// layouts, the word helpers and the accumulators (included by gguf_ops.cpp after gguf_bf16.h,
+// whose tables and scale unpacking they share; the formats' kernels: gguf_dot_formats.h).
 //
-// The arithmetic is gguf_bf16.h's: every code q is an exact bf16 integer, vdpbf16ps sums exact
-// products in fp32, and x . w = sum_subblocks s * dot(x, q) + m * sum(x). What differs is where
-// the work goes. The activations are permuted once per call into the order in which a weight
-// tile's codes come out of a 64-byte register (nibble halves, then vpunpck{l,h}bw within 128-bit
-// lanes), so a tile of 64 codes becomes two registers of bf16 words with one unpack and one
-// vpermw each, no lane-crossing widening, and every 32-bit lane of the products belongs to one
-// sub-block: the sub-block scales are applied once per tile as a lane vector. On a Zen 4 EPYC
-// this halved the nanoseconds per Q4_K super-block against per-32-weight chunks (bench in
-// BENCHMARKS.md, "GGUF block kernels").
+// Every code becomes an exact bf16 value, vdpbf16ps sums exact products in fp32, and
+// x . w = sum_subblocks s * dot(x, q) + m * sum(x). The activations are permuted once per call into
+// the order in which 64 bytes of a weight row's codes come apart in registers, so no code is
+// widened across lanes and every 32-bit lane of the products belongs to one sub-block: the
+// sub-block scales apply once per register as a lane vector. 4- and 5-bit codes are read as
+// 16-bit words straight into the bf16 mantissa (nibble_words); Q6_K and Q8_0 unpack bytes to
+// words (vpunpck{l,h}bw within 128-bit lanes) and look them up in exact tables. Measured against
+// the per-32-weight path it replaced: BENCHMARKS.md, "GGUF files computed on their blocks".
 #pragma once
 #ifdef SEGUE_GGUF_BF16
 
@@ -17,6 +17,7 @@ namespace gguf_dot {
 
 using gguf_bf16::Table;
 using gguf_bf16::load32;
+using gguf_bf16::scales_mins;
 
 // How a format's tiles of 64 codes map onto activation elements; one prepared copy of x per
 // layout a call needs.
@@ -170,19 +171,6 @@ inline __m512 quad_scales(__m512 s, int first) {
 // would miss at every page. A page, not a tuned optimum: 2-16 KB ahead ran alike on a Zen 4.
 constexpr int64_t PREFETCH = 4096;
 static constexpr int PAIR[2] = {0, 32}, QUAD[4] = {0, 32, 64, 96}, Q8[4] = {0, 0, 32, 32};
-
-// gguf_bf16::scales_k4 in one register: bytes 0-7 the eight 6-bit scales, 8-15 the mins. Going
-// through memory instead, two 32-bit stores feed each 64-bit load, which store forwarding cannot
-// serve. Lanes of the 12 packed bytes: u0 u1 u2 (a fourth read past them, in the block, unused).
-inline __m128i scales_mins(const uint8_t* packed) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
-  // out = (u0 & 0x3f.., u2 & 0x0f.. | hi2(u0), u1 & 0x3f.., u2 >> 4 & 0x0f.. | hi2(u1)),
-  // hi2(u): each byte's top two bits moved to bits 4-5.
-  const __m128i low = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));
-  const __m128i top = _mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 2);
-  return _mm_or_si128(_mm_and_si128(low, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f)),
-                      _mm_and_si128(top, _mm_setr_epi32(0, 0x30303030, 0, 0x30303030)));
-}
 
 }  // namespace gguf_dot
 #endif

@@ -42,39 +42,35 @@ inline void k_quant_nibbles(const uint8_t* row, int64_t K, Dots<R>& d) {
   }
 }
 
+// Q6_K: six-bit codes from ql's nibbles and qh's bit pairs, unpacked to words and looked up in an
+// exact table of q - 32.
 template <int R>
-inline void super_blocks(int64_t t, const uint8_t* row, int64_t K, Dots<R>& d) {
-  static const Table codes(0), q6_k(32);
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
-  if (t == Q6_K) {
-    const __m512i m30 = _mm512_set1_epi8(0x30);
-    // Bits 4-5 of a code: qh bits 0-1 / 2-3 for the low nibbles of ql's two halves, 4-5 / 6-7 for the high.
-    const __m512i up = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), down = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
-    for (int64_t sb = 0; sb < K / 256; ++sb) {
-      const uint8_t* b = row + sb * 210;
-      for (int l = 0; l < 210; l += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH + l), _MM_HINT_T0);
-      const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
-      for (int n = 0; n < 2; ++n) {
-        const __m512i ql = _mm512_loadu_si512(b + 64 * n);
-        const __m512i qh = _mm512_broadcast_i64x4(load32(b + 128 + 32 * n));
-        const __m512i qa = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi64(qh, up), m30));
-        const __m512i qb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
-                                           _mm512_and_si512(_mm512_srlv_epi64(qh, down), m30));
-        const __m512i wa[2] = {words64_lo(qa, q6_k), words64_hi(qa, q6_k)};
-        const __m512i wb[2] = {words64_lo(qb, q6_k), words64_hi(qb, q6_k)};
-        const int64_t at = sb * 256 + 128 * n;
-        d.tile(wa, PAIR, at, quad_scales(sc, 8 * n));
-        d.template tile<2, true>(wb, PAIR, at + 64, quad_scales(sc, 8 * n + 4));
-      }
+inline void q6_k_blocks(const uint8_t* row, int64_t K, Dots<R>& d) {
+  static const Table q6_k(32);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  // Bits 4-5 of a code: qh bits 0-1 / 2-3 for the low nibbles of ql's two halves, 4-5 / 6-7 for the high.
+  const __m512i up = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), down = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+  for (int64_t sb = 0; sb < K / 256; ++sb) {
+    const uint8_t* b = row + sb * 210;
+    for (int l = 0; l < 210; l += 64) _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH + l), _MM_HINT_T0);
+    const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
+    for (int n = 0; n < 2; ++n) {
+      const __m512i ql = _mm512_loadu_si512(b + 64 * n);
+      const __m512i qh = _mm512_broadcast_i64x4(load32(b + 128 + 32 * n));
+      const __m512i qa = _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi64(qh, up), m30));
+      const __m512i qb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                         _mm512_and_si512(_mm512_srlv_epi64(qh, down), m30));
+      const __m512i wa[2] = {words64_lo(qa, q6_k), words64_hi(qa, q6_k)};
+      const __m512i wb[2] = {words64_lo(qb, q6_k), words64_hi(qb, q6_k)};
+      const int64_t at = sb * 256 + 128 * n;
+      d.tile(wa, PAIR, at, quad_scales(sc, 8 * n));
+      d.template tile<2, true>(wb, PAIR, at + 64, quad_scales(sc, 8 * n + 4));
     }
-    return;
   }
-  if (t == Q5_K) return k_quant_nibbles<true>(row, K, d);
-  return k_quant_nibbles<false>(row, K, d);
 }
 
-// Q4_0 / Q4_1 / Q5_0 / Q5_1: eight blocks' fp16 scales (and mins) gathered at once, then two
+// Q4_0 / Q4_1 / Q5_0 / Q5_1: eight blocks' fp16 scales (and mins) read at once, then two
 // registers of four blocks' nibbles. Block L's code j has its fifth bit at bit j of its qh.
 template <bool FIVE, int R>
 inline void legacy_blocks(int64_t t, const Format& f, const uint8_t* row, int64_t K, Dots<R>& d) {
@@ -82,8 +78,6 @@ inline void legacy_blocks(int64_t t, const Format& f, const uint8_t* row, int64_
   // w = d (q - offset) + m = (2^bits d) v + (m - (2^bits + offset) d), v = 1 + q / 2^bits.
   const float levels = FIVE ? 32.f : 16.f, offset = with_min ? 0.f : levels / 2;
   const int64_t head = (with_min ? 4 : 2) + (FIVE ? 4 : 0), blocks = K / 32;
-  const __m256i stride = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                            _mm256_set1_epi32(static_cast<int>(f.bytes)));
   for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
     const int64_t nb = std::min<int64_t>(8, blocks - b0);
     const __mmask8 live = static_cast<__mmask8>((1u << nb) - 1);
@@ -93,6 +87,8 @@ inline void legacy_blocks(int64_t t, const Format& f, const uint8_t* row, int64_
     _mm_prefetch(reinterpret_cast<const char*>(base + PREFETCH + 128), _MM_HINT_T0);
     __m128i d16, m16;  // the eight blocks' fp16 d and m
     if constexpr (FIVE) {  // 22- or 24-byte blocks: four headers span more than a register
+      const __m256i stride = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                _mm256_set1_epi32(static_cast<int>(f.bytes)));
       const __m256i dm = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), live, stride, base, 1);
       d16 = _mm256_cvtepi32_epi16(dm);
       m16 = _mm256_cvtepi32_epi16(_mm256_srli_epi32(dm, 16));
@@ -181,7 +177,9 @@ inline void channel_r(int64_t t, const Format& f, const uint8_t* row, int64_t K,
     d.macc[r] = _mm256_setzero_ps();
   }
   if (t == Q8_0) q8_0_blocks(row, K, d);
-  else if (f.block == 256) super_blocks(t, row, K, d);
+  else if (t == Q6_K) q6_k_blocks(row, K, d);
+  else if (t == Q5_K) k_quant_nibbles<true>(row, K, d);
+  else if (t == Q4_K) k_quant_nibbles<false>(row, K, d);
   else if (t == Q5_0 || t == Q5_1) legacy_blocks<true>(t, f, row, K, d);
   else legacy_blocks<false>(t, f, row, K, d);
   for (int r = 0; r < R; ++r)
