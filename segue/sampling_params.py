@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from segue.structured.spec import StructuredSpec
 
@@ -40,6 +41,17 @@ class SamplingParams:
     pause_on_length: bool = False
     # Constrained decoding: the output must match this grammar (JSON schema, tool-call format, ...).
     structured: StructuredSpec | None = None
+
+    @classmethod
+    def from_request(cls, max_tokens: int, stop: str | list[str] | None, ignore_eos: bool | None,
+                     given: dict[str, Any], defaults: dict[str, Any] | None = None,
+                     **exact: Any) -> SamplingParams:
+        """A request body's options: `given` (temperature, top_p, top_k, seed; None where the
+        client left one out, as many send explicit nulls) over `defaults`, a lone stop string as
+        a list, a null ignore_eos as False; `exact` fields passed as they are."""
+        optional = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
+        stops = [stop] if isinstance(stop, str) else stop or []
+        return cls(max_tokens=max_tokens, stop=stops, ignore_eos=bool(ignore_eos), **optional, **exact)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -80,12 +80,9 @@ class CallCreate(_Body):
             template = Template.parse(self.template)
         except TemplateError as e:
             raise InvalidRequestError(f"template: {e}") from None
-        optional: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                                    "seed": self.seed}
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        params = SamplingParams(max_tokens=self.max_tokens if self.max_tokens is not None else 1,
-                                stop=stop, ignore_eos=bool(self.ignore_eos),
-                                **{k: v for k, v in optional.items() if v is not None})
+        given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+        params = SamplingParams.from_request(self.max_tokens if self.max_tokens is not None else 1, self.stop,
+                                             self.ignore_eos, given)
         ids = {k: v for k, v in self.inputs.items() if isinstance(v, str)}
         literals = {k: v.value for k, v in self.inputs.items() if isinstance(v, InlineValue)}
         return CallSpec(template, ids, params, literals, default_max_tokens=self.max_tokens is None,

@@ -119,12 +119,9 @@ class _SamplingRequest(_Request):
                          defaults: dict[str, Any] | None = None) -> SamplingParams:
         """`defaults`: the model's recommended sampling settings (engine/generation_defaults.py), used for
         the ones the client leaves out, as vLLM does with generation_config.json."""
-        optional = {**(defaults or {})}
         given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
-        optional.update({k: v for k, v in given.items() if v is not None})
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        return SamplingParams(max_tokens=max_tokens, stop=stop, ignore_eos=bool(self.ignore_eos),
-                              logprobs=logprobs, structured=self.output_spec(), **optional)
+        return SamplingParams.from_request(max_tokens, self.stop, self.ignore_eos, given, defaults,
+                                           logprobs=logprobs, structured=self.output_spec())
 
 
 class CompletionRequest(_SamplingRequest):
