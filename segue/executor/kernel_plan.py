@@ -40,6 +40,9 @@ class KernelPlan:
     block_rows: int = 0
     head_block_rows: int = 0
     weights_memory: str = "packed"
+    # How the blocks lie in memory ("file" or "rows16", measured: model/gguf_table.py).
+    block_layout: str = "file"
+    head_block_layout: str = "file"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -154,15 +157,19 @@ def _block_plan(load: ModelLoadConfig, config: ModelConfig, kernels: ModuleType 
     other = "dense" if memory is WeightsMemory.DENSE else "dequant"
     rows = table.block_rows("layers", other) if "layers" in table.timings_ms else 0
     head_rows = table.block_rows("lm_head", other) if "lm_head" in table.timings_ms else 0
+    layout = table.layout("layers").value if "layers" in table.timings_ms else "file"
+    head_layout = table.layout("lm_head").value if "lm_head" in table.timings_ms else "file"
     blocks = [w for w in weights.values() if isinstance(w, GGMLBlocks)]
     counts = Counter(w.type_name for w in blocks)
-    logger.info("kernels: %s; GGUF blocks (%s, %.0f MiB) up to %d rows, LM head up to %d rows; larger batches: "
-                "a GEMM over %s (--weights-memory %s; the block table of %s)", dtype_name,
-                ", ".join(f"{n} {t}" for t, n in sorted(counts.items())), sum(b.nbytes for b in blocks) / 2**20,
-                rows, head_rows, "a dense copy" if memory is WeightsMemory.DENSE else "the layer dequantized per call",
+    logger.info("kernels: %s; GGUF blocks (%s, %.0f MiB) up to %d rows, LM head up to %d rows; Q4_K layout: "
+                "layers %s, LM head %s; larger batches: a GEMM over %s (--weights-memory %s; the block table of %s)",
+                dtype_name, ", ".join(f"{n} {t}" for t, n in sorted(counts.items())),
+                sum(b.nbytes for b in blocks) / 2**20, rows, head_rows, layout, head_layout,
+                "a dense copy" if memory is WeightsMemory.DENSE else "the layer dequantized per call",
                 memory.value, table.key.get("cpu"))
     return KernelPlan(DTYPES[dtype_name], Quantization.NONE, padded_rows=padded, block_rows=rows,
-                      head_block_rows=head_rows, weights_memory=memory.value)
+                      head_block_rows=head_rows, weights_memory=memory.value, block_layout=layout,
+                      head_block_layout=head_layout)
 
 
 def _batch_invariant_plan(load: ModelLoadConfig, config: ModelConfig, device: torch.device,

@@ -53,7 +53,8 @@ class ModelExecutor(Executor):
         linears = LinearPlan(plan.quantization, dense_above=plan.quantized_rows, padded_rows=dict(plan.padded_rows),
                              block_rows=plan.block_rows, head_quantization=plan.head_quantization,
                              head_dense_above=plan.head_quantized_rows, head_padded_rows=dict(plan.head_padded_rows),
-                             head_block_rows=plan.head_block_rows, weights_memory=plan.weights_memory)
+                             head_block_rows=plan.head_block_rows, weights_memory=plan.weights_memory,
+                             block_layout=plan.block_layout, head_block_layout=plan.head_block_layout)
         self.model = LlamaModel(ckpt.config, ckpt.weights, device, dtype, linears, kernels, fused)
         cfg = ckpt.config
         resident = self.model.weight_bytes()

@@ -8,6 +8,11 @@ of the dequantized weights, without a dense copy. Batches too large for a kernel
 weights (prefill chunks) dequantize the layer to the compute dtype for that call and run the
 GEMM, or use a dense copy kept beside the blocks where the user allows the memory
 (`--weights-memory dense`); which batch sizes go where is measured (segue/model/gguf_table.py).
+
+On CPUs with AVX512-BF16, Q4_K matrices may instead be repacked at load time with 16 output rows
+interleaved (`BlockLayout.ROWS16`, csrc/gguf_rows16.h: the same codes and scales, 4 % more bytes),
+which a decode kernel reads with far fewer instructions a weight; the block table measures both
+layouts and the faster one is used.
 """
 from __future__ import annotations
 
@@ -22,6 +27,16 @@ import torch.nn.functional as F
 
 # ggml_type ids the native kernels read; any other quantized type is dequantized at load time.
 NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+Q4_K = 12
+# Not a ggml type: Q4_K repacked as groups of 16 interleaved rows (the kernels' id for it).
+Q4_K_ROWS16 = 1012
+ROWS16_GROUP = 16
+
+
+class BlockLayout(str, enum.Enum):
+    """How a block matrix lies in memory for the decode kernels."""
+    FILE = "file"      # the file's rows of blocks
+    ROWS16 = "rows16"  # Q4_K in groups of 16 interleaved rows (other types stay as in the file)
 
 
 class WeightsMemory(str, enum.Enum):
@@ -40,7 +55,7 @@ class GGMLBlocks:
 
     @property
     def type_name(self) -> str:
-        return NATIVE_TYPES[self.qtype]
+        return "Q4_K (rows16)" if self.qtype == Q4_K_ROWS16 else NATIVE_TYPES[self.qtype]
 
     @property
     def nbytes(self) -> int:
@@ -48,6 +63,8 @@ class GGMLBlocks:
 
     def rows(self, index: torch.Tensor) -> GGMLBlocks:
         """These rows, in this order (llama.cpp's Q/K row permutation is undone on blocks too)."""
+        if self.qtype == Q4_K_ROWS16:
+            raise ValueError("rows of a rows16 matrix: select rows before repacking")
         return GGMLBlocks(self.blocks[index].contiguous(), self.qtype, (int(index.numel()), self.shape[1]))
 
     def dequantize(self, dtype: torch.dtype = torch.float32, kernels: ModuleType | None = None,
@@ -58,6 +75,8 @@ class GGMLBlocks:
             empty = torch.empty(0, dtype=torch.int64)
             return kernels.gguf_dequantize(self.blocks, self.qtype, self.shape[1],
                                            empty if ids is None else ids, dtype, into)
+        if self.qtype == Q4_K_ROWS16:
+            raise ValueError("a rows16 matrix is dequantized by the native kernels only")
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -65,6 +84,21 @@ class GGMLBlocks:
         dense = dequantize(raw.numpy(), GGMLQuantizationType(self.qtype)).reshape(raw.shape[0], self.shape[1])
         out = torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)).to(dtype)
         return out if into is None else into.copy_(out)
+
+
+def rows16_applies(segment: GGMLBlocks, dtype: torch.dtype, kernels: ModuleType | None) -> bool:
+    """Whether `segment` can be repacked as rows16: Q4_K in whole groups of 16 rows, bf16
+    activations, and kernels built for a CPU with AVX512-BF16."""
+    return (segment.qtype == Q4_K and segment.shape[0] % ROWS16_GROUP == 0 and dtype == torch.bfloat16
+            and kernels is not None and hasattr(kernels, "gguf_rows16_supported") and kernels.gguf_rows16_supported())
+
+
+def in_layout(segment: GGMLBlocks, layout: BlockLayout, dtype: torch.dtype, kernels: ModuleType | None) -> GGMLBlocks:
+    """`segment` as `layout` lays it out (unchanged where that layout does not apply to it)."""
+    if layout is BlockLayout.ROWS16 and rows16_applies(segment, dtype, kernels):
+        assert kernels is not None
+        return GGMLBlocks(kernels.gguf_interleave_rows(segment.blocks, segment.shape[1]), Q4_K_ROWS16, segment.shape)
+    return segment
 
 
 def concat_rows(parts: list[GGMLBlocks]) -> list[GGMLBlocks]:
@@ -88,9 +122,12 @@ class BlockLinear:
     """
 
     def __init__(self, segments: list[GGMLBlocks], bias: torch.Tensor | None, dtype: torch.dtype,
-                 kernels: ModuleType, block_rows: int, keep_dense: bool = False, fp32_out: bool = False) -> None:
+                 kernels: ModuleType, block_rows: int, keep_dense: bool = False, fp32_out: bool = False,
+                 layout: BlockLayout = BlockLayout.FILE) -> None:
         """`fp32_out`: the block kernel's fp32 sums are returned as they are (an LM head's
-        logits: rounded to bf16, nearby logits tie and greedy picks by token id)."""
+        logits: rounded to bf16, nearby logits tie and greedy picks by token id). `layout`: the
+        segments are repacked to it where it applies (the file's blocks are then let go)."""
+        segments = [in_layout(s, layout, dtype, kernels) for s in segments]
         self.segments = segments
         self.fp32_out = fp32_out
         self.bias = bias

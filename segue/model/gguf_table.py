@@ -5,7 +5,9 @@ which wins while a step is bound by memory (decode); past some batch size the de
 the layer dequantized for that call or, where `--weights-memory dense` allows, over a dense copy.
 Where the two cross depends on the CPU, the formats and the model's shapes, so it is timed on the
 model's own blocks (a few layers, cycled so that they stream from memory as in a step) and cached
-like the other kernel tables (segue/model/table_cache.py).
+like the other kernel tables (segue/model/table_cache.py). Where a layer's Q4_K matrices can be
+repacked as rows16 (gguf_blocks.BlockLayout), the block kernels are timed in both layouts and the
+layout faster at one row (a single agent's decode) is the op's.
 """
 from __future__ import annotations
 
@@ -21,13 +23,13 @@ import torch
 
 from segue.model import table_cache, timing
 from segue.model.config import ModelConfig
-from segue.model.gguf_blocks import BlockLinear, GGMLBlocks, WeightsMemory, concat_rows
+from segue.model.gguf_blocks import BlockLayout, BlockLinear, GGMLBlocks, WeightsMemory, concat_rows, rows16_applies
 from segue.model.table_cache import MeasuredTable
 
 logger = logging.getLogger(__name__)
 
 ROWS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-TABLE_METHOD = "gguf-blocks-1"
+TABLE_METHOD = "gguf-blocks-2"
 # Batches up to this many rows are decode-sized: the default where the timing cannot tell.
 DECODE_ROWS = 8
 # Layers cycled through per timed call: more bytes than any CPU's last-level cache.
@@ -36,7 +38,7 @@ STREAMED_BYTES = 256 << 20
 
 @dataclass
 class BlockTable(MeasuredTable):
-    # op ("layers", "lm_head") -> candidate ("blocks", "dequant", "dense") -> {rows: ms}
+    # op ("layers", "lm_head") -> candidate ("blocks", "rows16", "dequant", "dense") -> {rows: ms}
     timings_ms: dict[str, dict[str, dict[int, float]]]
 
     @staticmethod
@@ -44,16 +46,28 @@ class BlockTable(MeasuredTable):
         return {op: {c: {int(r): float(ms) for r, ms in rows.items()} for c, rows in cands.items()}
                 for op, cands in timings.items()}
 
-    def block_rows(self, op: str, other: str) -> int:
-        """The largest timed row count up to which the block kernel runs at every timed size:
-        where the timing decided, the faster one; where the noise hid the difference, the blocks
-        for decode batches (up to DECODE_ROWS: the kernels were made for them) and `other` above."""
+    def layout(self, op: str) -> BlockLayout:
+        """The op's block layout: rows16 where it was timed and is faster at one row (where the
+        noise hid the difference, the file's)."""
         times = self.timings_ms[op]
+        if BlockLayout.ROWS16.value not in times:
+            return BlockLayout.FILE
+        ms = {c: times[c][1] for c in ("blocks", BlockLayout.ROWS16.value)}
+        picked = timing.pick(ms, "blocks", self.ratios_at(op, 1))
+        return BlockLayout.ROWS16 if picked == BlockLayout.ROWS16.value else BlockLayout.FILE
+
+    def block_rows(self, op: str, other: str) -> int:
+        """The largest timed row count up to which the block kernel (in the op's layout) runs at
+        every timed size: where the timing decided, the faster one; where the noise hid the
+        difference, the blocks for decode batches (up to DECODE_ROWS: the kernels were made for
+        them) and `other` above."""
+        times = self.timings_ms[op]
+        blocks = "blocks" if self.layout(op) is BlockLayout.FILE else BlockLayout.ROWS16.value
         limit = 0
-        for rows in sorted(times["blocks"]):
-            ms = {c: times[c][rows] for c in ("blocks", other)}
-            default = "blocks" if rows <= DECODE_ROWS else other
-            if timing.pick(ms, default, self.ratios_at(op, rows)) != "blocks":
+        for rows in sorted(times[blocks]):
+            ms = {c: times[c][rows] for c in (blocks, other)}
+            default = blocks if rows <= DECODE_ROWS else other
+            if timing.pick(ms, default, self.ratios_at(op, rows)) != blocks:
                 break
             limit = rows
         return limit
@@ -121,6 +135,9 @@ def measure(config: ModelConfig, weights: Mapping[str, Any], dtype: torch.dtype,
         built: dict[str, list[list[Callable[[torch.Tensor], torch.Tensor]]]] = {
             "blocks": [[BlockLinear(s, None, dtype, kernels, block_rows=1 << 30) for s in segs] for segs in sets],
             "dequant": [[BlockLinear(s, None, dtype, kernels, block_rows=0) for s in segs] for segs in sets]}
+        if any(rows16_applies(b, dtype, kernels) for segs in sets for s in segs for b in s):
+            built[BlockLayout.ROWS16.value] = [[BlockLinear(s, None, dtype, kernels, block_rows=1 << 30,
+                                                            layout=BlockLayout.ROWS16) for s in segs] for segs in sets]
         if memory is WeightsMemory.DENSE:
             built["dense"] = [[functools.partial(torch.nn.functional.linear, weight=BlockLinear(
                 s, None, dtype, kernels, 0).dequantize()) for s in segs] for segs in sets]

@@ -18,12 +18,15 @@ class LinearPlan:
     dense_above: int = 16
     # Row counts padded up to one the kernels run faster (measured), or None.
     padded_rows: dict[int, int] | None = None
-    # Up to how many rows a GGUF file's blocks run their own kernels (0: never).
+    # Up to how many rows a GGUF file's blocks run their own kernels (0: never), and the blocks'
+    # layout in memory ("file" or "rows16": model/gguf_blocks.py's BlockLayout).
     block_rows: int = 0
+    block_layout: str = "file"
     # The LM head's: None is int8 for int4 layers, else the layers' quantization.
     head_quantization: Quantization | None = None
     head_dense_above: int = 16
     head_padded_rows: dict[int, int] | None = None
     head_block_rows: int = 0
+    head_block_layout: str = "file"
     # "packed" or "dense" (model/gguf_blocks.py's WeightsMemory): whether blocks keep a dense copy.
     weights_memory: str = "packed"

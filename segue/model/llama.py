@@ -19,7 +19,7 @@ from segue.model.checkpoint import Weight
 from segue.model.config import ModelConfig
 from segue.model.cpu_kernels import load_gguf_kernels
 from segue.model.fused_ops import FusedOps, Rope
-from segue.model.gguf_blocks import BlockEmbedding, BlockLinear, GGMLBlocks, WeightsMemory, concat_rows
+from segue.model.gguf_blocks import BlockEmbedding, BlockLayout, BlockLinear, GGMLBlocks, WeightsMemory, concat_rows
 from segue.model.kv_tensors import KVTensors
 from segue.model.linear_plan import LinearPlan
 from segue.model.quant import LinearWeights, Quantization
@@ -91,7 +91,7 @@ class LlamaModel:
             if all(isinstance(t, GGMLBlocks) for t in parts):
                 assert gguf is not None  # the loader keeps blocks only where the kernels are built
                 return BlockLinear(concat_rows(cast(list[GGMLBlocks], parts)), bias, dtype, gguf, plan.block_rows,
-                                   keep_dense)
+                                   keep_dense, layout=BlockLayout(plan.block_layout))
             # Quantize from the checkpoint's own precision, not from a rounded compute-dtype copy.
             weight = torch.cat([dense(t) for t in parts]) if len(parts) > 1 else dense(parts[0])
             return LinearWeights(weight.to(device), bias, quantization, dtype, kernels, plan.dense_above,
@@ -114,10 +114,15 @@ class LlamaModel:
         head_quant: Quantization = Quantization.INT8 if quantization is Quantization.INT4 else quantization
         if plan.head_quantization is not None:
             head_quant = plan.head_quantization
-        self.lm_head: Linear = BlockLinear([head], None, dtype, gguf, plan.head_block_rows, keep_dense, fp32_out=True) \
+        self.lm_head: Linear = BlockLinear([head], None, dtype, gguf, plan.head_block_rows, keep_dense, fp32_out=True,
+                                           layout=BlockLayout(plan.head_block_layout)) \
             if isinstance(head, GGMLBlocks) and gguf is not None else \
             LinearWeights(dense(head).to(device), None, head_quant, dtype, kernels, plan.head_dense_above,
                           plan.head_padded_rows)
+        if config.tie_word_embeddings and isinstance(self.embed_tokens, BlockEmbedding) \
+                and isinstance(self.lm_head, BlockLinear) and self.lm_head.segments[0] is not embed:
+            # A tied head repacked for its kernel: the embedding looks its rows up there, one copy.
+            self.embed_tokens = BlockEmbedding(self.lm_head.segments[0], dtype, gguf)
         self.norm = w("model.norm.weight")
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):

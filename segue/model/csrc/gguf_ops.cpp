@@ -23,7 +23,9 @@
 namespace {
 
 // ggml_type ids.
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+                       // Not a ggml type: Q4_K repacked with 16 output rows interleaved (gguf_rows16.h).
+                       Q4_K_ROWS16 = 1012 };
 
 struct Format {
   int64_t block;     // weights per block
@@ -62,12 +64,32 @@ inline float f16(const uint8_t* p) {
 #include "gguf_bf16.h"
 #include "gguf_dot.h"
 #include "gguf_dot_formats.h"
+#include "gguf_rows16.h"
 namespace {
 
+bool rows16_supported() {
+#ifdef SEGUE_GGUF_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Output rows of a segment: a rows16 segment is [N / 16, K / 256 * TILE].
+int64_t rows_of(const torch::Tensor& blocks, int64_t t) { return t == Q4_K_ROWS16 ? 16 * blocks.size(0) : blocks.size(0); }
+
 void check_segment(const torch::Tensor& blocks, int64_t t, int64_t K) {
-  const Format f = format_of(t);
   TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous(),
               "gguf kernels: blocks must be a contiguous [N, row_bytes] uint8 tensor");
+  if (t == Q4_K_ROWS16) {
+    TORCH_CHECK(rows16_supported(), "gguf kernels: rows16 segments need a CPU with AVX512-BF16");
+#ifdef SEGUE_GGUF_BF16
+    TORCH_CHECK(K % 256 == 0 && blocks.size(1) == K / 256 * gguf_rows16::TILE,
+                "gguf kernels: a rows16 group of K = ", K, " is not ", blocks.size(1), " bytes");
+#endif
+    return;
+  }
+  const Format f = format_of(t);
   TORCH_CHECK(K % f.block == 0 && blocks.size(1) == K / f.block * f.bytes,
               "gguf kernels: a row of ", K, " weights of type ", t, " is not ", blocks.size(1), " bytes");
 }
@@ -92,14 +114,27 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
   std::vector<Format> formats;
   std::vector<const uint8_t*> bases;
   std::vector<int64_t> row_bytes;
+  // Work units: a row, or a group of 16 rows of a rows16 segment; threads take contiguous units of
+  // about equal bytes (a fused projection's segments differ in bytes a row).
+  std::vector<int64_t> unit_starts(S + 1, 0), byte_starts(S + 1, 0);
   for (int64_t i = 0; i < S; ++i) {
     check_segment(segments[i], types[i], K);
-    formats.push_back(format_of(types[i]));
+    TORCH_CHECK(types[i] != Q4_K_ROWS16 || bf16, "gguf_linear: rows16 segments need bf16 activations");
+    formats.push_back(types[i] == Q4_K_ROWS16 ? Format{256, 0, 32} : format_of(types[i]));
     bases.push_back(segments[i].data_ptr<uint8_t>());
     row_bytes.push_back(segments[i].size(1));
-    starts[i + 1] = starts[i] + segments[i].size(0);
+    starts[i + 1] = starts[i] + rows_of(segments[i], types[i]);
+    unit_starts[i + 1] = unit_starts[i] + segments[i].size(0);
+    byte_starts[i + 1] = byte_starts[i] + segments[i].numel();
   }
   const int64_t N = starts[S];
+  // The first unit starting at or after byte b of the concatenated segments.
+  const auto unit_at = [&](int64_t b) {
+    int64_t i = 0;
+    while (i < S && b >= byte_starts[i + 1]) ++i;
+    if (i == S) return unit_starts[S];
+    return unit_starts[i] + (b - byte_starts[i] + row_bytes[i] - 1) / row_bytes[i];
+  };
   // Sums of x over 16-wide runs (32-wide for the bf16 path): the min term of every format.
   const int64_t run = bf16 ? 32 : 16;
   std::vector<float> xsum(M * (K / run));
@@ -124,6 +159,7 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
   std::vector<uint16_t> prepared[gguf_dot::LAYOUTS];
   int64_t prepared_k[gguf_dot::LAYOUTS] = {};
   for (int64_t i = 0; bf16 && i < S; ++i) {
+    if (types[i] == Q4_K_ROWS16) continue;  // reads x as it is
     const int layout = gguf_dot::layout_of(types[i]);
     if (!prepared[layout].empty()) continue;
     const int64_t Kp = gguf_dot::padded(K, layout);
@@ -137,11 +173,31 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
   auto out = torch::empty({M, N}, xc.options().dtype(out_bf16 ? torch::kBFloat16 : torch::kFloat32));
   float* op = out_bf16 ? nullptr : out.data_ptr<float>();
   auto* ob = out_bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
-#pragma omp parallel for schedule(static) if (N * K >= 65536)
-  for (int64_t n = 0; n < N; ++n) {
+#pragma omp parallel if (N * K >= 65536)
+  {
+  const int64_t threads = omp_get_num_threads(), tid = omp_get_thread_num();
+  const int64_t u_end = unit_at(byte_starts[S] * (tid + 1) / threads);
+  for (int64_t u = unit_at(byte_starts[S] * tid / threads); u < u_end; ++u) {
     int64_t seg = 0;
-    while (n >= starts[seg + 1]) ++seg;
-    const uint8_t* row = bases[seg] + (n - starts[seg]) * row_bytes[seg];
+    while (u >= unit_starts[seg + 1]) ++seg;
+    const uint8_t* row = bases[seg] + (u - unit_starts[seg]) * row_bytes[seg];
+#ifdef SEGUE_GGUF_BF16
+    if (types[seg] == Q4_K_ROWS16) {
+      const int64_t n0 = starts[seg] + 16 * (u - unit_starts[seg]);
+      for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int64_t mb = std::min(MB, M - m0);
+        float o[MB][gguf_rows16::ROWS];
+        gguf_rows16::group_rows(row, K, xb + m0 * K, xsum.data() + m0 * (K / 32), mb, o);
+        for (int64_t r = 0; r < mb; ++r)
+          for (int i = 0; i < gguf_rows16::ROWS; ++i) {
+            if (out_bf16) ob[(m0 + r) * N + n0 + i] = c10::BFloat16(o[r][i]);
+            else op[(m0 + r) * N + n0 + i] = o[r][i];
+          }
+      }
+      continue;
+    }
+#endif
+    const int64_t n = starts[seg] + (u - unit_starts[seg]);
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
       const int64_t mb = std::min(MB, M - m0);
 #ifdef SEGUE_GGUF_BF16
@@ -161,6 +217,7 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
       channel(types[seg], formats[seg], row, K, xp + m0 * K, xsum.data() + m0 * (K / 16), mb, op + m0 * N + n, N);
     }
   }
+  }
   return out;
 }
 
@@ -169,10 +226,11 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
 torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type, int64_t K, torch::Tensor ids, c10::ScalarType dtype,
                               c10::optional<torch::Tensor> into) {
   check_segment(blocks, type, K);
-  const Format f = format_of(type);
+  const bool rows16 = type == Q4_K_ROWS16;
+  const Format f = rows16 ? Format{256, 0, 32} : format_of(type);
   const bool all = ids.numel() == 0;
   const auto idx = all ? ids : ids.to(torch::kInt64).contiguous();
-  const int64_t R = all ? blocks.size(0) : idx.numel(), N = blocks.size(0);
+  const int64_t N = rows_of(blocks, type), R = all ? N : idx.numel();
   const int64_t* ip = all ? nullptr : idx.data_ptr<int64_t>();
   for (int64_t r = 0; !all && r < R; ++r)
     TORCH_CHECK(ip[r] >= 0 && ip[r] < N, "gguf_dequantize: row ", ip[r], " out of range [0, ", N, ")");
@@ -188,6 +246,20 @@ torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type, int64_t K, tor
   float* o32 = f32 ? out.data_ptr<float>() : nullptr;
   auto* o16 = dtype == torch::kBFloat16 ? out.data_ptr<c10::BFloat16>() : nullptr;
   auto* oh = dtype == torch::kHalf ? out.data_ptr<c10::Half>() : nullptr;
+#ifdef SEGUE_GGUF_BF16
+  if (rows16) {
+    TORCH_CHECK(o16 != nullptr, "gguf_dequantize: rows16 segments dequantize to bf16");
+    if (all) {
+#pragma omp parallel for schedule(static) if (R * K >= 65536)
+      for (int64_t g = 0; g < N / 16; ++g) gguf_rows16::dequantize_group(bp + g * row_bytes, K, o16 + 16 * g * K);
+    } else {
+#pragma omp parallel for schedule(static) if (R * K >= 65536)
+      for (int64_t r = 0; r < R; ++r)
+        gguf_rows16::dequantize_row(bp + ip[r] / 16 * row_bytes, K, static_cast<int>(ip[r] % 16), o16 + r * K);
+    }
+    return out;
+  }
+#endif
 #pragma omp parallel for schedule(static) if (R * K >= 65536)
   for (int64_t r = 0; r < R; ++r) {
     alignas(64) int8_t q[MAXB];
@@ -222,7 +294,34 @@ torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type, int64_t K, tor
   return out;
 }
 
+// A [N, K / 256 * 144] Q4_K segment (N % 16 == 0) repacked as [N / 16, K / 256 * TILE] rows16 groups.
+torch::Tensor gguf_interleave_rows(torch::Tensor blocks, int64_t K) {
+  check_segment(blocks, Q4_K, K);
+  TORCH_CHECK(rows16_supported(), "gguf_interleave_rows: rows16 needs a CPU with AVX512-BF16");
+  const int64_t N = blocks.size(0), nsb = K / 256;
+  TORCH_CHECK(N % 16 == 0, "gguf_interleave_rows: ", N, " rows are not groups of 16");
+#ifdef SEGUE_GGUF_BF16
+  auto out = torch::empty({N / 16, nsb * gguf_rows16::TILE}, blocks.options());
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  const int64_t row_bytes = blocks.size(1);
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < N / 16; ++g)
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* rows[16];
+      for (int i = 0; i < 16; ++i) rows[i] = bp + (16 * g + i) * row_bytes + sb * 144;
+      gguf_rows16::pack_tile(rows, op + g * out.size(1) + sb * gguf_rows16::TILE);
+    }
+  return out;
+#else
+  return blocks;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gguf_rows16_supported", &rows16_supported, "whether Q4_K can be repacked and computed as rows16 groups");
+  m.def("gguf_interleave_rows", &gguf_interleave_rows, "a Q4_K segment repacked as rows16 groups (type 1012)",
+        py::arg("blocks"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
   m.def("gguf_linear", &gguf_linear, "x @ dequant(ggml blocks)^T over row segments of possibly different types "
         "(fp32 out for fp32 or fp16 x; bf16 x gets bf16 out unless fp32_out)",
         py::arg("x"), py::arg("segments"), py::arg("types"), py::arg("fp32_out") = false,
