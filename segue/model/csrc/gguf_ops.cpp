@@ -78,13 +78,31 @@ bool rows16_supported() {
 // Output rows of a segment: a rows16 segment is [N / 16, K / 256 * TILE].
 int64_t rows_of(const torch::Tensor& blocks, int64_t t) { return t == Q4_K_ROWS16 ? 16 * blocks.size(0) : blocks.size(0); }
 
+#ifdef SEGUE_GGUF_BF16
+// Rows [0, mb) of x (mb <= 8) against one rows16 group's tiles.
+void rows16_dot(const uint8_t* tiles, int64_t K, const uint16_t* x, const float* xsum, int64_t mb,
+                float (*out)[gguf_rows16::ROWS]) {
+  using gguf_rows16::Q4K;
+  switch (mb) {
+    case 1: return Q4K::dot<1>(tiles, K, x, xsum, out);
+    case 2: return Q4K::dot<2>(tiles, K, x, xsum, out);
+    case 3: return Q4K::dot<3>(tiles, K, x, xsum, out);
+    case 4: return Q4K::dot<4>(tiles, K, x, xsum, out);
+    case 5: return Q4K::dot<5>(tiles, K, x, xsum, out);
+    case 6: return Q4K::dot<6>(tiles, K, x, xsum, out);
+    case 7: return Q4K::dot<7>(tiles, K, x, xsum, out);
+    default: return Q4K::dot<8>(tiles, K, x, xsum, out);
+  }
+}
+#endif
+
 void check_segment(const torch::Tensor& blocks, int64_t t, int64_t K) {
   TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous(),
               "gguf kernels: blocks must be a contiguous [N, row_bytes] uint8 tensor");
   if (t == Q4_K_ROWS16) {
     TORCH_CHECK(rows16_supported(), "gguf kernels: rows16 segments need a CPU with AVX512-BF16");
 #ifdef SEGUE_GGUF_BF16
-    TORCH_CHECK(K % 256 == 0 && blocks.size(1) == K / 256 * gguf_rows16::TILE,
+    TORCH_CHECK(K % 256 == 0 && blocks.size(1) == K / 256 * gguf_rows16::Q4K::TILE,
                 "gguf kernels: a rows16 group of K = ", K, " is not ", blocks.size(1), " bytes");
 #endif
     return;
@@ -187,7 +205,7 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
       for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int64_t mb = std::min(MB, M - m0);
         float o[MB][gguf_rows16::ROWS];
-        gguf_rows16::group_rows(row, K, xb + m0 * K, xsum.data() + m0 * (K / 32), mb, o);
+        rows16_dot(row, K, xb + m0 * K, xsum.data() + m0 * (K / 32), mb, o);
         for (int64_t r = 0; r < mb; ++r)
           for (int i = 0; i < gguf_rows16::ROWS; ++i) {
             if (out_bf16) ob[(m0 + r) * N + n0 + i] = c10::BFloat16(o[r][i]);
@@ -251,11 +269,11 @@ torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type, int64_t K, tor
     TORCH_CHECK(o16 != nullptr, "gguf_dequantize: rows16 segments dequantize to bf16");
     if (all) {
 #pragma omp parallel for schedule(static) if (R * K >= 65536)
-      for (int64_t g = 0; g < N / 16; ++g) gguf_rows16::dequantize_group(bp + g * row_bytes, K, o16 + 16 * g * K);
+      for (int64_t g = 0; g < N / 16; ++g) gguf_rows16::Q4K::dequantize_group(bp + g * row_bytes, K, o16 + 16 * g * K);
     } else {
 #pragma omp parallel for schedule(static) if (R * K >= 65536)
       for (int64_t r = 0; r < R; ++r)
-        gguf_rows16::dequantize_row(bp + ip[r] / 16 * row_bytes, K, static_cast<int>(ip[r] % 16), o16 + r * K);
+        gguf_rows16::Q4K::dequantize_row(bp + ip[r] / 16 * row_bytes, K, static_cast<int>(ip[r] % 16), o16 + r * K);
     }
     return out;
   }
@@ -301,7 +319,7 @@ torch::Tensor gguf_interleave_rows(torch::Tensor blocks, int64_t K) {
   const int64_t N = blocks.size(0), nsb = K / 256;
   TORCH_CHECK(N % 16 == 0, "gguf_interleave_rows: ", N, " rows are not groups of 16");
 #ifdef SEGUE_GGUF_BF16
-  auto out = torch::empty({N / 16, nsb * gguf_rows16::TILE}, blocks.options());
+  auto out = torch::empty({N / 16, nsb * gguf_rows16::Q4K::TILE}, blocks.options());
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   const int64_t row_bytes = blocks.size(1);
@@ -310,7 +328,7 @@ torch::Tensor gguf_interleave_rows(torch::Tensor blocks, int64_t K) {
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* rows[16];
       for (int i = 0; i < 16; ++i) rows[i] = bp + (16 * g + i) * row_bytes + sb * 144;
-      gguf_rows16::pack_tile(rows, op + g * out.size(1) + sb * gguf_rows16::TILE);
+      gguf_rows16::Q4K::pack_tile(rows, op + g * out.size(1) + sb * gguf_rows16::Q4K::TILE);
     }
   return out;
 #else

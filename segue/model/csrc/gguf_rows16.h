@@ -8,10 +8,12 @@
 // register, the activation pair of a position is broadcast from memory into the product
 // (vdpbf16ps with a dword broadcast, natural activation order, nothing prepared), and a
 // sub-block's scales and mins for the 16 rows are one vector each. What is left per 256 weights is
-// the code decoding (nibble_words) and the products. The same bytes as the file plus 4 %: the
-// 6-bit scales and mins are stored one a byte.
+// the code decoding and the products. (Q6_K laid out alike ran slower than its file-layout kernel
+// on a Zen 4: assembling 6-bit codes word by word costs what the lane reductions saved, and the
+// file-layout kernel is near the memory bound there.)
 //
-// A tile is one super-block of 16 rows, TILE bytes:
+// The file's bytes plus 3 % (the 6-bit scales and mins are stored one a byte). A tile is one
+// super-block of 16 rows, TILE bytes:
 //   d[16], dmin[16]   fp16 of rows 0..15
 //   sc[8][16], m[8][16]  the unpacked 6-bit scale and min of sub-block j of row i
 //   qs[8][4][16][4]   sub-block j, positions 8c..8c+7, row i: 4 bytes holding 8 codes so that
@@ -22,8 +24,7 @@
 
 namespace gguf_rows16 {
 
-constexpr int64_t ROWS = 16, TILE = 64 + 256 + 2048;
-constexpr int64_t SC = 64, MIN = 192, QS = 320;
+constexpr int ROWS = 16;
 
 // Code of position e (0..255) of a file's Q4_K block: 64-position chunks, 32 bytes each, low
 // nibbles first.
@@ -34,140 +35,144 @@ inline int q4_k_code(const uint8_t* b, int e) {
 
 // Positions (within 8) of the low and high nibble of byte k of a row's 4 bytes (see nibble_words:
 // word registers 0..3 read the low nibbles of even bytes, of odd bytes, the high nibbles of even,
-// of odd bytes, and dword lane i pairs bytes 0-1 with 2-3).
-constexpr int LOW[4] = {0, 2, 1, 3}, HIGH[4] = {4, 6, 5, 7};
+// of odd bytes, and dword lane i pairs bytes 0-1 with 2-3). Word register k then holds positions
+// 2k and 2k + 1, its nibbles at bit SHIFT[k] of each 16-bit word.
+constexpr int LOW[4] = {0, 2, 1, 3}, HIGH[4] = {4, 6, 5, 7}, SHIFT[4] = {0, 8, 4, 12};
 
-// 16 rows of a file's Q4_K blocks (`rows[i]` points at row i's block of this super-block) -> a tile.
-inline void pack_tile(const uint8_t* const* rows, uint8_t* tile) {
-  for (int i = 0; i < ROWS; ++i) {
-    const uint8_t* b = rows[i];
-    std::memcpy(tile + 2 * i, b, 2);
-    std::memcpy(tile + 32 + 2 * i, b + 2, 2);
-    alignas(16) uint8_t sm[16];
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(sm), gguf_bf16::scales_mins(b + 4));
-    for (int j = 0; j < 8; ++j) {
-      tile[SC + 16 * j + i] = sm[j];
-      tile[MIN + 16 * j + i] = sm[8 + j];
-      for (int c = 0; c < 4; ++c)
-        for (int k = 0; k < 4; ++k) {
-          const int e = 32 * j + 8 * c;
-          tile[QS + 256 * j + 64 * c + 4 * i + k] =
-              static_cast<uint8_t>(q4_k_code(b, e + LOW[k]) | q4_k_code(b, e + HIGH[k]) << 4);
-        }
-    }
-  }
+// The 4 bytes of a row's 8 nibbles, code(p) for positions p = 0..7.
+template <typename Code>
+inline void pack_nibbles(Code code, uint8_t* out) {
+  for (int k = 0; k < 4; ++k) out[k] = static_cast<uint8_t>((code(LOW[k]) & 15) | (code(HIGH[k]) & 15) << 4);
 }
 
-// out[r][0..16) = rows' dot with x row r, for R rows of x (bf16 bits, natural order, stride K) and
-// xsum, their sums over 32-wide runs (stride K / 32).
-template <int R>
-inline void group(const uint8_t* tiles, int64_t K, const uint16_t* x, const float* xsum, float (*out)[ROWS]) {
-  using gguf_dot::PREFETCH;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __mmask32 none[4] = {};
-  for (int64_t sb = 0; sb < K / 256; ++sb) {
-    const uint8_t* t = tiles + sb * TILE;
-    // w = d sc q - dmin m = (16 d sc) v - (16 d sc + dmin m), v = 1 + q / 16 (nibble_words).
-    const __m512 d16 = _mm512_mul_ps(_mm512_set1_ps(16.f), _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t))));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)));
-    for (int j = 0; j < 8; ++j) {
-      const uint8_t* q = t + QS + 256 * j;
-      for (int l = 0; l < 256; l += 64) _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH + l), _MM_HINT_T0);
-      const __m512 s = _mm512_mul_ps(d16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + SC + 16 * j)))));
-      const __m512 m = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + MIN + 16 * j)))), s);
-      __m512 even[R], odd[R];
-      for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-      for (int c = 0; c < 4; ++c) {
-        __m512i w[4];
-        gguf_dot::nibble_words<false>(_mm512_loadu_si512(q + 64 * c), w, none);
+// One lane's pair of bf16 (positions 2k, 2k + 1 of a row, even in the low word) for 16 rows,
+// stored to rows out, out + K, ... (a dequantized group's columns).
+struct Scatter {
+  __m512i lanes, interleave;
+  explicit Scatter(int64_t K) {
+    lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                               _mm512_set1_epi32(static_cast<int>(K / 2)));
+    // Words of cvtne2ps(odd, even): even values in words 0-15, odd in 16-31; lane i wants (i, 16 + i).
+    alignas(64) uint16_t pairs[32];
+    for (int i = 0; i < 16; ++i) pairs[2 * i] = static_cast<uint16_t>(i), pairs[2 * i + 1] = static_cast<uint16_t>(16 + i);
+    interleave = _mm512_load_si512(pairs);
+  }
+  inline void operator()(c10::BFloat16* out, __m512 even, __m512 odd) const {
+    const __m512i both = _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even)));
+    _mm512_i32scatter_epi32(out, lanes, both, 4);
+  }
+};
+
+struct Q4K {
+  static constexpr int64_t TILE = 64 + 256 + 2048, SC = 64, MIN = 192, QS = 320;
+
+  // 16 rows of a file's Q4_K blocks (`rows[i]` points at row i's block of this super-block) -> a tile.
+  static void pack_tile(const uint8_t* const* rows, uint8_t* tile) {
+    for (int i = 0; i < ROWS; ++i) {
+      const uint8_t* b = rows[i];
+      std::memcpy(tile + 2 * i, b, 2);
+      std::memcpy(tile + 32 + 2 * i, b + 2, 2);
+      alignas(16) uint8_t sm[16];
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(sm), gguf_bf16::scales_mins(b + 4));
+      for (int j = 0; j < 8; ++j) {
+        tile[SC + 16 * j + i] = sm[j];
+        tile[MIN + 16 * j + i] = sm[8 + j];
+        for (int c = 0; c < 4; ++c)
+          pack_nibbles([&](int p) { return q4_k_code(b, 32 * j + 8 * c + p); }, tile + QS + 256 * j + 64 * c + 4 * i);
+      }
+    }
+  }
+
+  // out[r][0..16) = rows' dot with x row r, for R rows of x (bf16 bits, natural order, stride K) and
+  // xsum, their sums over 32-wide runs (stride K / 32).
+  template <int R>
+  static void dot(const uint8_t* tiles, int64_t K, const uint16_t* x, const float* xsum, float (*out)[ROWS]) {
+    using gguf_dot::PREFETCH;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const __mmask32 none[4] = {};
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* t = tiles + sb * TILE;
+      // w = d sc q - dmin m = (16 d sc) v - (16 d sc + dmin m), v = 1 + q / 16 (nibble_words).
+      const __m512 d16 = _mm512_mul_ps(_mm512_set1_ps(16.f), _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t))));
+      const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)));
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t* q = t + QS + 256 * j;
+        for (int l = 0; l < 256; l += 64) _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH + l), _MM_HINT_T0);
+        const __m512 s = _mm512_mul_ps(d16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + SC + 16 * j)))));
+        const __m512 m = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + MIN + 16 * j)))), s);
+        __m512 even[R], odd[R];
+        for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+        for (int c = 0; c < 4; ++c) {
+          __m512i w[4];
+          gguf_dot::nibble_words<false>(_mm512_loadu_si512(q + 64 * c), w, none);
+          for (int r = 0; r < R; ++r) {
+            int32_t pair[4];  // the activation pairs of positions (0,1) .. (6,7)
+            std::memcpy(pair, x + r * K + sb * 256 + 32 * j + 8 * c, 16);
+            even[r] = _mm512_dpbf16_ps(even[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair[0])), reinterpret_cast<__m512bh>(w[0]));
+            odd[r] = _mm512_dpbf16_ps(odd[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair[1])), reinterpret_cast<__m512bh>(w[1]));
+            even[r] = _mm512_dpbf16_ps(even[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair[2])), reinterpret_cast<__m512bh>(w[2]));
+            odd[r] = _mm512_dpbf16_ps(odd[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair[3])), reinterpret_cast<__m512bh>(w[3]));
+          }
+        }
         for (int r = 0; r < R; ++r) {
-          int32_t pair[4];  // the activation pairs of positions (0,1) .. (6,7)
-          std::memcpy(pair, x + r * K + sb * 256 + 32 * j + 8 * c, 16);
-          even[r] = _mm512_dpbf16_ps(even[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair[0])), reinterpret_cast<__m512bh>(w[0]));
-          odd[r] = _mm512_dpbf16_ps(odd[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair[1])), reinterpret_cast<__m512bh>(w[1]));
-          even[r] = _mm512_dpbf16_ps(even[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair[2])), reinterpret_cast<__m512bh>(w[2]));
-          odd[r] = _mm512_dpbf16_ps(odd[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair[3])), reinterpret_cast<__m512bh>(w[3]));
+          acc[r] = _mm512_fmadd_ps(_mm512_add_ps(even[r], odd[r]), s, acc[r]);
+          acc[r] = _mm512_fnmadd_ps(m, _mm512_set1_ps(xsum[r * (K / 32) + sb * 8 + j]), acc[r]);
         }
       }
-      for (int r = 0; r < R; ++r) {
-        acc[r] = _mm512_fmadd_ps(_mm512_add_ps(even[r], odd[r]), s, acc[r]);
-        acc[r] = _mm512_fnmadd_ps(m, _mm512_set1_ps(xsum[r * (K / 32) + sb * 8 + j]), acc[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
+  }
+
+  // Row i of a group (its K weights, w = d sc q - dmin m rounded once, as gguf_bf16's Dequant and
+  // gguf's own dequantize compute them) written as bf16 to out[0, K).
+  static void dequantize_row(const uint8_t* tiles, int64_t K, int i, c10::BFloat16* out) {
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* t = tiles + sb * TILE;
+      const float d = f16(t + 2 * i), dmin = f16(t + 32 + 2 * i);
+      for (int j = 0; j < 8; ++j) {
+        const float s = d * t[SC + 16 * j + i], m = -(dmin * t[MIN + 16 * j + i]);
+        for (int c = 0; c < 4; ++c)
+          for (int k = 0; k < 4; ++k) {
+            const uint8_t byte = t[QS + 256 * j + 64 * c + 4 * i + k];
+            c10::BFloat16* o = out + sb * 256 + 32 * j + 8 * c;
+            o[LOW[k]] = c10::BFloat16(std::fma(s, static_cast<float>(byte & 15), m));
+            o[HIGH[k]] = c10::BFloat16(std::fma(s, static_cast<float>(byte >> 4), m));
+          }
       }
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
-}
 
-// Rows [0, mb) of x (mb <= 8) against one group's tiles.
-inline void group_rows(const uint8_t* tiles, int64_t K, const uint16_t* x, const float* xsum, int64_t mb,
-                       float (*out)[ROWS]) {
-  switch (mb) {
-    case 1: return group<1>(tiles, K, x, xsum, out);
-    case 2: return group<2>(tiles, K, x, xsum, out);
-    case 3: return group<3>(tiles, K, x, xsum, out);
-    case 4: return group<4>(tiles, K, x, xsum, out);
-    case 5: return group<5>(tiles, K, x, xsum, out);
-    case 6: return group<6>(tiles, K, x, xsum, out);
-    case 7: return group<7>(tiles, K, x, xsum, out);
-    default: return group<8>(tiles, K, x, xsum, out);
-  }
-}
-
-// Row i of a group (its K weights, w = d sc q - dmin m rounded once, as gguf_bf16's Dequant and
-// gguf's own dequantize compute them) written as bf16 to out[0, K).
-inline void dequantize_row(const uint8_t* tiles, int64_t K, int i, c10::BFloat16* out) {
-  for (int64_t sb = 0; sb < K / 256; ++sb) {
-    const uint8_t* t = tiles + sb * TILE;
-    const float d = f16(t + 2 * i), dmin = f16(t + 32 + 2 * i);
-    for (int j = 0; j < 8; ++j) {
-      const float s = d * t[SC + 16 * j + i], m = -(dmin * t[MIN + 16 * j + i]);
-      for (int c = 0; c < 4; ++c)
-        for (int k = 0; k < 4; ++k) {
-          const uint8_t byte = t[QS + 256 * j + 64 * c + 4 * i + k];
-          c10::BFloat16* o = out + sb * 256 + 32 * j + 8 * c;
-          o[LOW[k]] = c10::BFloat16(std::fma(s, static_cast<float>(byte & 15), m));
-          o[HIGH[k]] = c10::BFloat16(std::fma(s, static_cast<float>(byte >> 4), m));
-        }
-    }
-  }
-}
-
-// All 16 rows of a group into out (row stride K): the codes of 16 rows at a time, as in `group`,
-// each lane's pair of bf16 scattered to its row.
-inline void dequantize_group(const uint8_t* tiles, int64_t K, c10::BFloat16* out) {
-  const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(static_cast<int>(K / 2)));
-  // Words of cvtne2ps(odd, even): even values in words 0-15, odd in 16-31; lane i wants (i, 16 + i).
-  alignas(64) uint16_t pairs[32];
-  for (int i = 0; i < 16; ++i) pairs[2 * i] = static_cast<uint16_t>(i), pairs[2 * i + 1] = static_cast<uint16_t>(16 + i);
-  const __m512i interleave = _mm512_load_si512(pairs), nibble = _mm512_set1_epi32(0x000F000F);
-  static constexpr int SHIFT[4] = {0, 8, 4, 12};  // word register k's nibble within each 16-bit word
-  for (int64_t sb = 0; sb < K / 256; ++sb) {
-    const uint8_t* t = tiles + sb * TILE;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)));
-    for (int j = 0; j < 8; ++j) {
-      const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + SC + 16 * j)))));
-      const __m512 m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + MIN + 16 * j))))));
-      for (int c = 0; c < 4; ++c) {
-        const __m512i raw = _mm512_loadu_si512(t + QS + 256 * j + 64 * c);
-        for (int k = 0; k < 4; ++k) {
-          const __m512i q = _mm512_and_si512(_mm512_srli_epi16(raw, SHIFT[k]), nibble);
-          const __m512 even = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0xFFFF))), m);
-          const __m512 odd = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 16)), m);
-          const __m512i both = _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even)));
-          // Word register k holds positions 8c + 2k and 8c + 2k + 1 (pack_tile).
-          _mm512_i32scatter_epi32(out + sb * 256 + 32 * j + 8 * c + 2 * k, lanes, both, 4);
+  // All 16 rows of a group into out (row stride K): the codes of 16 rows at a time, as in `group`,
+  // each lane's pair of bf16 scattered to its row.
+  static void dequantize_group(const uint8_t* tiles, int64_t K, c10::BFloat16* out) {
+    const Scatter scatter(K);
+    const __m512i nibble = _mm512_set1_epi32(0x000F000F);
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* t = tiles + sb * TILE;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
+      const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)));
+      for (int j = 0; j < 8; ++j) {
+        const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + SC + 16 * j)))));
+        const __m512 m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + MIN + 16 * j))))));
+        for (int c = 0; c < 4; ++c) {
+          const __m512i raw = _mm512_loadu_si512(t + QS + 256 * j + 64 * c);
+          for (int k = 0; k < 4; ++k) {
+            const __m512i q = _mm512_and_si512(_mm512_srli_epi16(raw, SHIFT[k]), nibble);
+            const __m512 even = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0xFFFF))), m);
+            const __m512 odd = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 16)), m);
+            scatter(out + sb * 256 + 32 * j + 8 * c + 2 * k, even, odd);
+          }
         }
       }
     }
   }
-}
+
+};
 
 }  // namespace gguf_rows16
 #endif
