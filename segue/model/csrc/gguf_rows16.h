@@ -45,23 +45,31 @@ inline void pack_nibbles(Code code, uint8_t* out) {
   for (int k = 0; k < 4; ++k) out[k] = static_cast<uint8_t>((code(LOW[k]) & 15) | (code(HIGH[k]) & 15) << 4);
 }
 
-// One lane's pair of bf16 (positions 2k, 2k + 1 of a row, even in the low word) for 16 rows,
-// stored to rows out, out + K, ... (a dequantized group's columns).
-struct Scatter {
-  __m512i lanes, interleave;
-  explicit Scatter(int64_t K) {
-    lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                               _mm512_set1_epi32(static_cast<int>(K / 2)));
-    // Words of cvtne2ps(odd, even): even values in words 0-15, odd in 16-31; lane i wants (i, 16 + i).
-    alignas(64) uint16_t pairs[32];
-    for (int i = 0; i < 16; ++i) pairs[2 * i] = static_cast<uint16_t>(i), pairs[2 * i + 1] = static_cast<uint16_t>(16 + i);
-    interleave = _mm512_load_si512(pairs);
+// A 16x16 matrix of dwords in 16 registers, transposed in place (unpacks within 128-bit lanes,
+// then 128-bit lanes across registers): a group's 16 registers of one position pair for 16 rows
+// become 16 rows of 16 pairs.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
   }
-  inline void operator()(c10::BFloat16* out, __m512 even, __m512 odd) const {
-    const __m512i both = _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even)));
-    _mm512_i32scatter_epi32(out, lanes, both, 4);
+  for (int g = 0; g < 4; ++g) {  // u[4g + q], lane L: inputs 4g..4g+3 of column 4L + q
+    r[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    r[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    r[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    r[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
   }
-};
+  for (int q = 0; q < 4; ++q) {  // column 4L + q: lane L of u[q], u[4 + q], u[8 + q], u[12 + q]
+    const __m512i v0 = _mm512_shuffle_i32x4(r[q], r[4 + q], 0x44), v1 = _mm512_shuffle_i32x4(r[q], r[4 + q], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0x44), v3 = _mm512_shuffle_i32x4(r[8 + q], r[12 + q], 0xEE);
+    t[q] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    t[4 + q] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    t[8 + q] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    t[12 + q] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
 
 struct Q4K {
   static constexpr int64_t TILE = 64 + 256 + 2048, SC = 64, MIN = 192, QS = 320;
@@ -145,11 +153,14 @@ struct Q4K {
     }
   }
 
-  // All 16 rows of a group into out (row stride K): the codes of 16 rows at a time, as in `group`,
-  // each lane's pair of bf16 scattered to its row.
+  // All 16 rows of a group into out (row stride K): a sub-block's codes of 16 rows at a time, as in
+  // `dot`, each register a position pair for the 16 rows; transposed, a row's 32 bf16 each.
   static void dequantize_group(const uint8_t* tiles, int64_t K, c10::BFloat16* out) {
-    const Scatter scatter(K);
     const __m512i nibble = _mm512_set1_epi32(0x000F000F);
+    // Words of cvtne2ps(odd, even): even values in words 0-15, odd in 16-31; dword i wants (i, 16 + i).
+    alignas(64) uint16_t order[32];
+    for (int i = 0; i < 16; ++i) order[2 * i] = static_cast<uint16_t>(i), order[2 * i + 1] = static_cast<uint16_t>(16 + i);
+    const __m512i interleave = _mm512_load_si512(order);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
       const uint8_t* t = tiles + sb * TILE;
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
@@ -159,15 +170,18 @@ struct Q4K {
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + SC + 16 * j)))));
         const __m512 m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + MIN + 16 * j))))));
+        __m512i pairs[16];  // [4c + k]: positions 8c + 2k, 8c + 2k + 1 of rows 0..15
         for (int c = 0; c < 4; ++c) {
           const __m512i raw = _mm512_loadu_si512(t + QS + 256 * j + 64 * c);
           for (int k = 0; k < 4; ++k) {
             const __m512i q = _mm512_and_si512(_mm512_srli_epi16(raw, SHIFT[k]), nibble);
             const __m512 even = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0xFFFF))), m);
             const __m512 odd = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 16)), m);
-            scatter(out + sb * 256 + 32 * j + 8 * c + 2 * k, even, odd);
+            pairs[4 * c + k] = _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even)));
           }
         }
+        transpose16(pairs);
+        for (int i = 0; i < ROWS; ++i) _mm512_storeu_si512(out + i * K + sb * 256 + 32 * j, pairs[i]);
       }
     }
   }
