@@ -9,8 +9,9 @@ weights (prefill chunks) dequantize the layer to the compute dtype for that call
 GEMM, or use a dense copy kept beside the blocks where the user allows the memory
 (`--weights-memory dense`); which batch sizes go where is measured (segue/model/gguf_table.py).
 
-On CPUs with AVX512-BF16, Q4_K matrices may instead be repacked at load time with 16 output rows
-interleaved (`BlockLayout.ROWS16`, csrc/gguf_rows16.h: the same codes and scales, 4 % more bytes),
+On CPUs with AVX512-BF16, Q4_0, Q4_1 and Q4_K matrices may instead be repacked at load time with
+16 output rows interleaved (`BlockLayout.ROWS16`, csrc/gguf_rows16.h: the same codes and scales,
+the same bytes; Q4_K's unpacked 6-bit scales 3 % more),
 which a decode kernel reads with far fewer instructions a weight; the block table measures both
 layouts and the faster one is used.
 """
@@ -27,16 +28,16 @@ import torch.nn.functional as F
 
 # ggml_type ids the native kernels read; any other quantized type is dequantized at load time.
 NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
-Q4_K = 12
-# Not a ggml type: Q4_K repacked as groups of 16 interleaved rows (the kernels' id for it).
-Q4_K_ROWS16 = 1012
+# Not ggml types: Q4_0, Q4_1 and Q4_K repacked as groups of 16 interleaved rows (the kernels' ids).
+ROWS16_OF = {2: 1002, 3: 1003, 12: 1012}
+Q4_K_ROWS16 = ROWS16_OF[12]
 ROWS16_GROUP = 16
 
 
 class BlockLayout(str, enum.Enum):
     """How a block matrix lies in memory for the decode kernels."""
     FILE = "file"      # the file's rows of blocks
-    ROWS16 = "rows16"  # Q4_K in groups of 16 interleaved rows (other types stay as in the file)
+    ROWS16 = "rows16"  # Q4_0, Q4_1, Q4_K in groups of 16 interleaved rows (other types stay as in the file)
 
 
 class WeightsMemory(str, enum.Enum):
@@ -55,7 +56,10 @@ class GGMLBlocks:
 
     @property
     def type_name(self) -> str:
-        return "Q4_K (rows16)" if self.qtype == Q4_K_ROWS16 else NATIVE_TYPES[self.qtype]
+        if self.qtype in ROWS16_OF.values():
+            source = next(t for t, r in ROWS16_OF.items() if r == self.qtype)
+            return f"{NATIVE_TYPES[source]} (rows16)"
+        return NATIVE_TYPES[self.qtype]
 
     @property
     def nbytes(self) -> int:
@@ -63,7 +67,7 @@ class GGMLBlocks:
 
     def rows(self, index: torch.Tensor) -> GGMLBlocks:
         """These rows, in this order (llama.cpp's Q/K row permutation is undone on blocks too)."""
-        if self.qtype == Q4_K_ROWS16:
+        if self.qtype in ROWS16_OF.values():
             raise ValueError("rows of a rows16 matrix: select rows before repacking")
         return GGMLBlocks(self.blocks[index].contiguous(), self.qtype, (int(index.numel()), self.shape[1]))
 
@@ -75,7 +79,7 @@ class GGMLBlocks:
             empty = torch.empty(0, dtype=torch.int64)
             return kernels.gguf_dequantize(self.blocks, self.qtype, self.shape[1],
                                            empty if ids is None else ids, dtype, into)
-        if self.qtype == Q4_K_ROWS16:
+        if self.qtype in ROWS16_OF.values():
             raise ValueError("a rows16 matrix is dequantized by the native kernels only")
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
@@ -87,9 +91,9 @@ class GGMLBlocks:
 
 
 def rows16_applies(segment: GGMLBlocks, dtype: torch.dtype, kernels: ModuleType | None) -> bool:
-    """Whether `segment` can be repacked as rows16: Q4_K in whole groups of 16 rows, bf16
-    activations, and kernels built for a CPU with AVX512-BF16."""
-    return (segment.qtype == Q4_K and segment.shape[0] % ROWS16_GROUP == 0 and dtype == torch.bfloat16
+    """Whether `segment` can be repacked as rows16: Q4_0, Q4_1 or Q4_K in whole groups of 16 rows,
+    bf16 activations, and kernels built for a CPU with AVX512-BF16."""
+    return (segment.qtype in ROWS16_OF and segment.shape[0] % ROWS16_GROUP == 0 and dtype == torch.bfloat16
             and kernels is not None and hasattr(kernels, "gguf_rows16_supported") and kernels.gguf_rows16_supported())
 
 
@@ -97,7 +101,8 @@ def in_layout(segment: GGMLBlocks, layout: BlockLayout, dtype: torch.dtype, kern
     """`segment` as `layout` lays it out (unchanged where that layout does not apply to it)."""
     if layout is BlockLayout.ROWS16 and rows16_applies(segment, dtype, kernels):
         assert kernels is not None
-        return GGMLBlocks(kernels.gguf_interleave_rows(segment.blocks, segment.shape[1]), Q4_K_ROWS16, segment.shape)
+        packed = kernels.gguf_interleave_rows(segment.blocks, segment.qtype, segment.shape[1])
+        return GGMLBlocks(packed, ROWS16_OF[segment.qtype], segment.shape)
     return segment
 
 

@@ -1,4 +1,4 @@
-"""Q4_K repacked as groups of 16 interleaved rows (csrc/gguf_rows16.h): the same sums as the
+"""Q4_0, Q4_1 and Q4_K repacked as groups of 16 interleaved rows (csrc/gguf_rows16.h): the same sums as the
 file's blocks, the same dequantized weights to the bit, chosen per op by the block table's
 timing, and a tied LM head's repacked blocks serve the embedding too (one copy)."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ from test_gguf_blocks import blocks_of, reference
 from segue.model.cpu_kernels import load_gguf_kernels
 from segue.model.gguf_blocks import (
     Q4_K_ROWS16,
+    ROWS16_OF,
     BlockEmbedding,
     BlockLayout,
     BlockLinear,
@@ -26,17 +27,22 @@ pytestmark = pytest.mark.skipif(KERNELS is None or not KERNELS.gguf_rows16_suppo
                                 reason="rows16 needs the GGUF kernels built for a CPU with AVX512-BF16")
 
 
-def q4_k(rows: int, k: int, seed: int):
+FORMATS = [T.Q4_0, T.Q4_1, T.Q4_K]
+
+
+def q4_k(rows: int, k: int, seed: int, qtype: T = T.Q4_K):
     rng = np.random.default_rng(seed)
-    return blocks_of(rng.standard_normal((rows, k)) * rng.uniform(0.01, 1.0, size=(rows, 1)), T.Q4_K)
+    return blocks_of(rng.standard_normal((rows, k)) * rng.uniform(0.01, 1.0, size=(rows, 1)), qtype)
 
 
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
-def test_rows16_kernel_sums_the_dequantized_weights(rows):
-    b = q4_k(160, 512, rows)
+def test_rows16_kernel_sums_the_dequantized_weights(qtype, rows):
+    b = q4_k(160, 512, rows, qtype)
     packed = in_layout(b, BlockLayout.ROWS16, torch.bfloat16, KERNELS)
-    assert packed.qtype == Q4_K_ROWS16 and packed.shape == b.shape
-    assert packed.nbytes <= 1.03 * b.nbytes   # 16-row groups: unpacked scale bytes only
+    assert packed.qtype == ROWS16_OF[int(qtype)] and packed.shape == b.shape
+    # 16-row groups: the file's bytes, Q4_K's unpacked 6-bit scales 3 % more.
+    assert packed.nbytes <= (1.03 if qtype == T.Q4_K else 1.0) * b.nbytes
     x = torch.randn(rows, 512, dtype=torch.float64).to(torch.bfloat16)
     y = KERNELS.gguf_linear(x, [packed.blocks], [packed.qtype], True)
     ref = x.double() @ reference(b).T
@@ -45,8 +51,9 @@ def test_rows16_kernel_sums_the_dequantized_weights(rows):
     assert torch.equal(KERNELS.gguf_linear(x, [packed.blocks], [packed.qtype]), y.bfloat16())
 
 
-def test_rows16_dequantizes_to_the_same_bits():
-    b = q4_k(48, 768, 0)
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_rows16_dequantizes_to_the_same_bits(qtype):
+    b = q4_k(48, 768, 0, qtype)
     packed = in_layout(b, BlockLayout.ROWS16, torch.bfloat16, KERNELS)
     file_layout = b.dequantize(torch.bfloat16, KERNELS)
     assert torch.equal(file_layout, reference(b).float().bfloat16())
@@ -63,7 +70,8 @@ def test_only_whole_groups_of_q4_k_under_bf16_are_repacked():
     rng = np.random.default_rng(1)
     assert not rows16_applies(q4_k(40, 256, 2), torch.bfloat16, KERNELS)          # 40 rows: not groups of 16
     assert not rows16_applies(q4_k(32, 256, 2), torch.float32, KERNELS)           # fp32 activations
-    assert not rows16_applies(blocks_of(rng.standard_normal((32, 256)), T.Q6_K), torch.bfloat16, KERNELS)
+    for other in (T.Q5_0, T.Q5_K, T.Q6_K, T.Q8_0):
+        assert not rows16_applies(blocks_of(rng.standard_normal((32, 256)), other), torch.bfloat16, KERNELS)
     with pytest.raises(RuntimeError, match="bf16 activations"):
         packed = in_layout(q4_k(32, 256, 3), BlockLayout.ROWS16, torch.bfloat16, KERNELS)
         KERNELS.gguf_linear(torch.randn(1, 256), [packed.blocks], [packed.qtype])
@@ -73,12 +81,13 @@ def test_fused_projection_mixes_rows16_and_file_segments():
     """q|k|v as one call: the Q4_K rows repacked, the Q6_K ones as the file has them; threads split
     the call by bytes, whatever the segments' bytes a row."""
     rng = np.random.default_rng(4)
-    parts = [q4_k(1024, 512, 5), q4_k(64, 512, 6), blocks_of(rng.standard_normal((64, 512)), T.Q6_K)]
+    parts = [q4_k(1024, 512, 5), q4_k(64, 512, 6), blocks_of(rng.standard_normal((64, 512)), T.Q6_K),
+             q4_k(48, 512, 7, T.Q4_1), q4_k(16, 512, 8, T.Q4_0)]
     segments = concat_rows(parts)
-    bias = torch.randn(1152).bfloat16()
+    bias = torch.randn(1216).bfloat16()
     file_layout = BlockLinear(segments, bias, torch.bfloat16, KERNELS, block_rows=8)
     rows16 = BlockLinear(segments, bias, torch.bfloat16, KERNELS, block_rows=8, layout=BlockLayout.ROWS16)
-    assert [s.type_name for s in rows16.segments] == ["Q4_K (rows16)", "Q6_K"]
+    assert [s.type_name for s in rows16.segments] == ["Q4_K (rows16)", "Q6_K", "Q4_1 (rows16)", "Q4_0 (rows16)"]
     for rows in (1, 5, 12):   # 12: past block_rows, the GEMM over the dequantized rows16 blocks
         x = torch.randn(rows, 512).bfloat16()
         a, b = rows16(x).float(), file_layout(x).float()

@@ -24,8 +24,9 @@ namespace {
 
 // ggml_type ids.
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-                       // Not a ggml type: Q4_K repacked with 16 output rows interleaved (gguf_rows16.h).
-                       Q4_K_ROWS16 = 1012 };
+                       // Not ggml types: Q4_0, Q4_1 and Q4_K repacked with 16 output rows interleaved
+                       // (gguf_rows16.h): 1000 + the file's type.
+                       Q4_0_ROWS16 = 1002, Q4_1_ROWS16 = 1003, Q4_K_ROWS16 = 1012 };
 
 struct Format {
   int64_t block;     // weights per block
@@ -75,23 +76,40 @@ bool rows16_supported() {
 #endif
 }
 
-// Output rows of a segment: a rows16 segment is [N / 16, K / 256 * TILE].
-int64_t rows_of(const torch::Tensor& blocks, int64_t t) { return t == Q4_K_ROWS16 ? 16 * blocks.size(0) : blocks.size(0); }
+bool is_rows16(int64_t t) { return t == Q4_0_ROWS16 || t == Q4_1_ROWS16 || t == Q4_K_ROWS16; }
+
+// Output rows of a segment: a rows16 segment is [N / 16, bytes of a group].
+int64_t rows_of(const torch::Tensor& blocks, int64_t t) { return is_rows16(t) ? 16 * blocks.size(0) : blocks.size(0); }
 
 #ifdef SEGUE_GGUF_BF16
-// Rows [0, mb) of x (mb <= 8) against one rows16 group's tiles.
+// fn(F{}) for the rows16 format F of type t (or of the file type it repacks).
+template <typename Fn>
+auto with_rows16(int64_t t, Fn fn) {
+  switch (t) {
+    case Q4_K_ROWS16: case Q4_K: return fn(gguf_rows16::Q4K{});
+    case Q4_0_ROWS16: case Q4_0: return fn(gguf_rows16::Legacy<false>{});
+    default: return fn(gguf_rows16::Legacy<true>{});
+  }
+}
+
+// Bytes of a rows16 group of K weights a row.
+int64_t rows16_group_bytes(int64_t t, int64_t K) {
+  return with_rows16(t, [&](auto f) { using F = decltype(f); return K / (32 * F::SUBS) * F::TILE; });
+}
+
+// Rows [0, mb) of x (mb <= 8) against one rows16 group's tiles of format F.
+template <typename F>
 void rows16_dot(const uint8_t* tiles, int64_t K, const uint16_t* x, const float* xsum, int64_t mb,
                 float (*out)[gguf_rows16::ROWS]) {
-  using gguf_rows16::Q4K;
   switch (mb) {
-    case 1: return Q4K::dot<1>(tiles, K, x, xsum, out);
-    case 2: return Q4K::dot<2>(tiles, K, x, xsum, out);
-    case 3: return Q4K::dot<3>(tiles, K, x, xsum, out);
-    case 4: return Q4K::dot<4>(tiles, K, x, xsum, out);
-    case 5: return Q4K::dot<5>(tiles, K, x, xsum, out);
-    case 6: return Q4K::dot<6>(tiles, K, x, xsum, out);
-    case 7: return Q4K::dot<7>(tiles, K, x, xsum, out);
-    default: return Q4K::dot<8>(tiles, K, x, xsum, out);
+    case 1: return gguf_rows16::dot<F, 1>(tiles, K, x, xsum, out);
+    case 2: return gguf_rows16::dot<F, 2>(tiles, K, x, xsum, out);
+    case 3: return gguf_rows16::dot<F, 3>(tiles, K, x, xsum, out);
+    case 4: return gguf_rows16::dot<F, 4>(tiles, K, x, xsum, out);
+    case 5: return gguf_rows16::dot<F, 5>(tiles, K, x, xsum, out);
+    case 6: return gguf_rows16::dot<F, 6>(tiles, K, x, xsum, out);
+    case 7: return gguf_rows16::dot<F, 7>(tiles, K, x, xsum, out);
+    default: return gguf_rows16::dot<F, 8>(tiles, K, x, xsum, out);
   }
 }
 #endif
@@ -99,10 +117,11 @@ void rows16_dot(const uint8_t* tiles, int64_t K, const uint16_t* x, const float*
 void check_segment(const torch::Tensor& blocks, int64_t t, int64_t K) {
   TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 && blocks.is_contiguous(),
               "gguf kernels: blocks must be a contiguous [N, row_bytes] uint8 tensor");
-  if (t == Q4_K_ROWS16) {
+  if (is_rows16(t)) {
     TORCH_CHECK(rows16_supported(), "gguf kernels: rows16 segments need a CPU with AVX512-BF16");
 #ifdef SEGUE_GGUF_BF16
-    TORCH_CHECK(K % 256 == 0 && blocks.size(1) == K / 256 * gguf_rows16::Q4K::TILE,
+    const int64_t per_tile = t == Q4_K_ROWS16 ? 256 : 32;
+    TORCH_CHECK(K % per_tile == 0 && blocks.size(1) == rows16_group_bytes(t, K),
                 "gguf kernels: a rows16 group of K = ", K, " is not ", blocks.size(1), " bytes");
 #endif
     return;
@@ -137,8 +156,8 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
   std::vector<int64_t> unit_starts(S + 1, 0), byte_starts(S + 1, 0);
   for (int64_t i = 0; i < S; ++i) {
     check_segment(segments[i], types[i], K);
-    TORCH_CHECK(types[i] != Q4_K_ROWS16 || bf16, "gguf_linear: rows16 segments need bf16 activations");
-    formats.push_back(types[i] == Q4_K_ROWS16 ? Format{256, 0, 32} : format_of(types[i]));
+    TORCH_CHECK(!is_rows16(types[i]) || bf16, "gguf_linear: rows16 segments need bf16 activations");
+    formats.push_back(is_rows16(types[i]) ? Format{32, 0, 32} : format_of(types[i]));
     bases.push_back(segments[i].data_ptr<uint8_t>());
     row_bytes.push_back(segments[i].size(1));
     starts[i + 1] = starts[i] + rows_of(segments[i], types[i]);
@@ -177,7 +196,7 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
   std::vector<uint16_t> prepared[gguf_dot::LAYOUTS];
   int64_t prepared_k[gguf_dot::LAYOUTS] = {};
   for (int64_t i = 0; bf16 && i < S; ++i) {
-    if (types[i] == Q4_K_ROWS16) continue;  // reads x as it is
+    if (is_rows16(types[i])) continue;  // reads x as it is
     const int layout = gguf_dot::layout_of(types[i]);
     if (!prepared[layout].empty()) continue;
     const int64_t Kp = gguf_dot::padded(K, layout);
@@ -200,12 +219,14 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
     while (u >= unit_starts[seg + 1]) ++seg;
     const uint8_t* row = bases[seg] + (u - unit_starts[seg]) * row_bytes[seg];
 #ifdef SEGUE_GGUF_BF16
-    if (types[seg] == Q4_K_ROWS16) {
+    if (is_rows16(types[seg])) {
       const int64_t n0 = starts[seg] + 16 * (u - unit_starts[seg]);
       for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int64_t mb = std::min(MB, M - m0);
         float o[MB][gguf_rows16::ROWS];
-        rows16_dot(row, K, xb + m0 * K, xsum.data() + m0 * (K / 32), mb, o);
+        with_rows16(types[seg], [&](auto f) {
+          rows16_dot<decltype(f)>(row, K, xb + m0 * K, xsum.data() + m0 * (K / 32), mb, o);
+        });
         for (int64_t r = 0; r < mb; ++r)
           for (int i = 0; i < gguf_rows16::ROWS; ++i) {
             if (out_bf16) ob[(m0 + r) * N + n0 + i] = c10::BFloat16(o[r][i]);
@@ -244,8 +265,8 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> segments, 
 torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type, int64_t K, torch::Tensor ids, c10::ScalarType dtype,
                               c10::optional<torch::Tensor> into) {
   check_segment(blocks, type, K);
-  const bool rows16 = type == Q4_K_ROWS16;
-  const Format f = rows16 ? Format{256, 0, 32} : format_of(type);
+  const bool rows16 = is_rows16(type);
+  const Format f = rows16 ? Format{32, 0, 32} : format_of(type);
   const bool all = ids.numel() == 0;
   const auto idx = all ? ids : ids.to(torch::kInt64).contiguous();
   const int64_t N = rows_of(blocks, type), R = all ? N : idx.numel();
@@ -269,11 +290,14 @@ torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type, int64_t K, tor
     TORCH_CHECK(o16 != nullptr, "gguf_dequantize: rows16 segments dequantize to bf16");
     if (all) {
 #pragma omp parallel for schedule(static) if (R * K >= 65536)
-      for (int64_t g = 0; g < N / 16; ++g) gguf_rows16::Q4K::dequantize_group(bp + g * row_bytes, K, o16 + 16 * g * K);
+      for (int64_t g = 0; g < N / 16; ++g)
+        with_rows16(type, [&](auto fmt) { gguf_rows16::dequantize_group<decltype(fmt)>(bp + g * row_bytes, K, o16 + 16 * g * K); });
     } else {
 #pragma omp parallel for schedule(static) if (R * K >= 65536)
       for (int64_t r = 0; r < R; ++r)
-        gguf_rows16::Q4K::dequantize_row(bp + ip[r] / 16 * row_bytes, K, static_cast<int>(ip[r] % 16), o16 + r * K);
+        with_rows16(type, [&](auto fmt) {
+          gguf_rows16::dequantize_row<decltype(fmt)>(bp + ip[r] / 16 * row_bytes, K, static_cast<int>(ip[r] % 16), o16 + r * K);
+        });
     }
     return out;
   }
@@ -312,24 +336,30 @@ torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type, int64_t K, tor
   return out;
 }
 
-// A [N, K / 256 * 144] Q4_K segment (N % 16 == 0) repacked as [N / 16, K / 256 * TILE] rows16 groups.
-torch::Tensor gguf_interleave_rows(torch::Tensor blocks, int64_t K) {
-  check_segment(blocks, Q4_K, K);
+// A [N, row bytes] Q4_0, Q4_1 or Q4_K segment (N % 16 == 0) repacked as [N / 16, group bytes]
+// rows16 groups (type 1000 + its type).
+torch::Tensor gguf_interleave_rows(torch::Tensor blocks, int64_t type, int64_t K) {
+  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q4_K, "gguf_interleave_rows: Q4_0, Q4_1 or Q4_K, not type ", type);
+  check_segment(blocks, type, K);
   TORCH_CHECK(rows16_supported(), "gguf_interleave_rows: rows16 needs a CPU with AVX512-BF16");
-  const int64_t N = blocks.size(0), nsb = K / 256;
+  const int64_t N = blocks.size(0);
   TORCH_CHECK(N % 16 == 0, "gguf_interleave_rows: ", N, " rows are not groups of 16");
 #ifdef SEGUE_GGUF_BF16
-  auto out = torch::empty({N / 16, nsb * gguf_rows16::Q4K::TILE}, blocks.options());
+  auto out = torch::empty({N / 16, rows16_group_bytes(type, K)}, blocks.options());
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
   const int64_t row_bytes = blocks.size(1);
+  with_rows16(type, [&](auto fmt) {
+    using F = decltype(fmt);
+    const int64_t tiles = K / (32 * F::SUBS);
 #pragma omp parallel for schedule(static)
-  for (int64_t g = 0; g < N / 16; ++g)
-    for (int64_t sb = 0; sb < nsb; ++sb) {
-      const uint8_t* rows[16];
-      for (int i = 0; i < 16; ++i) rows[i] = bp + (16 * g + i) * row_bytes + sb * 144;
-      gguf_rows16::Q4K::pack_tile(rows, op + g * out.size(1) + sb * gguf_rows16::Q4K::TILE);
-    }
+    for (int64_t g = 0; g < N / 16; ++g)
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const uint8_t* rows[16];
+        for (int i = 0; i < 16; ++i) rows[i] = bp + (16 * g + i) * row_bytes + tile * F::FILE_BYTES;
+        F::pack_tile(rows, op + g * out.size(1) + tile * F::TILE);
+      }
+  });
   return out;
 #else
   return blocks;
@@ -337,9 +367,11 @@ torch::Tensor gguf_interleave_rows(torch::Tensor blocks, int64_t K) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_rows16_supported", &rows16_supported, "whether Q4_K can be repacked and computed as rows16 groups");
-  m.def("gguf_interleave_rows", &gguf_interleave_rows, "a Q4_K segment repacked as rows16 groups (type 1012)",
-        py::arg("blocks"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_rows16_supported", &rows16_supported,
+        "whether Q4_0, Q4_1 and Q4_K can be repacked and computed as rows16 groups");
+  m.def("gguf_interleave_rows", &gguf_interleave_rows,
+        "a Q4_0, Q4_1 or Q4_K segment repacked as rows16 groups (type 1000 + its type)",
+        py::arg("blocks"), py::arg("type"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
   m.def("gguf_linear", &gguf_linear, "x @ dequant(ggml blocks)^T over row segments of possibly different types "
         "(fp32 out for fp32 or fp16 x; bf16 x gets bf16 out unless fp32_out)",
         py::arg("x"), py::arg("segments"), py::arg("types"), py::arg("fp32_out") = false,
