@@ -161,7 +161,7 @@ def _block_plan(load: ModelLoadConfig, config: ModelConfig, kernels: ModuleType 
     head_layout = table.layout("lm_head").value if "lm_head" in table.timings_ms else "file"
     blocks = [w for w in weights.values() if isinstance(w, GGMLBlocks)]
     counts = Counter(w.type_name for w in blocks)
-    logger.info("kernels: %s; GGUF blocks (%s, %.0f MiB) up to %d rows, LM head up to %d rows; Q4_K layout: "
+    logger.info("kernels: %s; GGUF blocks (%s, %.0f MiB) up to %d rows, LM head up to %d rows; block layout: "
                 "layers %s, LM head %s; larger batches: a GEMM over %s (--weights-memory %s; the block table of %s)",
                 dtype_name, ", ".join(f"{n} {t}" for t, n in sorted(counts.items())),
                 sum(b.nbytes for b in blocks) / 2**20, rows, head_rows, layout, head_layout,
