@@ -9,7 +9,7 @@ weights (prefill chunks) dequantize the layer to the compute dtype for that call
 GEMM, or use a dense copy kept beside the blocks where the user allows the memory
 (`--weights-memory dense`); which batch sizes go where is measured (segue/model/gguf_table.py).
 
-On CPUs with AVX512-BF16, Q4_0, Q4_1 and Q4_K matrices may instead be repacked at load time with
+On CPUs with AVX512-BF16, Q4_0, Q4_1, Q8_0 and Q4_K matrices may instead be repacked at load time with
 16 output rows interleaved (`BlockLayout.ROWS16`, csrc/gguf_rows16.h: the same codes and scales,
 the same bytes; Q4_K's unpacked 6-bit scales 3 % more),
 which a decode kernel reads with far fewer instructions a weight; the block table measures both
@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 # ggml_type ids the native kernels read; any other quantized type is dequantized at load time.
 NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
-# Not ggml types: Q4_0, Q4_1 and Q4_K repacked as groups of 16 interleaved rows (the kernels' ids).
-ROWS16_OF = {2: 1002, 3: 1003, 12: 1012}
+# Not ggml types: Q4_0, Q4_1, Q8_0 and Q4_K repacked as groups of 16 interleaved rows (the kernels' ids).
+ROWS16_OF = {2: 1002, 3: 1003, 8: 1008, 12: 1012}
 Q4_K_ROWS16 = ROWS16_OF[12]
 ROWS16_GROUP = 16
 
@@ -37,7 +37,7 @@ ROWS16_GROUP = 16
 class BlockLayout(str, enum.Enum):
     """How a block matrix lies in memory for the decode kernels."""
     FILE = "file"      # the file's rows of blocks
-    ROWS16 = "rows16"  # Q4_0, Q4_1, Q4_K in groups of 16 interleaved rows (other types stay as in the file)
+    ROWS16 = "rows16"  # Q4_0, Q4_1, Q8_0, Q4_K in groups of 16 interleaved rows (others stay as in the file)
 
 
 class WeightsMemory(str, enum.Enum):
@@ -91,7 +91,7 @@ class GGMLBlocks:
 
 
 def rows16_applies(segment: GGMLBlocks, dtype: torch.dtype, kernels: ModuleType | None) -> bool:
-    """Whether `segment` can be repacked as rows16: Q4_0, Q4_1 or Q4_K in whole groups of 16 rows,
+    """Whether `segment` can be repacked as rows16: Q4_0, Q4_1, Q8_0 or Q4_K in whole groups of 16 rows,
     bf16 activations, and kernels built for a CPU with AVX512-BF16."""
     return (segment.qtype in ROWS16_OF and segment.shape[0] % ROWS16_GROUP == 0 and dtype == torch.bfloat16
             and kernels is not None and hasattr(kernels, "gguf_rows16_supported") and kernels.gguf_rows16_supported())

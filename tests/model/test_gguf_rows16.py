@@ -1,4 +1,4 @@
-"""Q4_0, Q4_1 and Q4_K repacked as groups of 16 interleaved rows (csrc/gguf_rows16.h): the same sums as the
+"""Q4_0, Q4_1, Q8_0 and Q4_K repacked as groups of 16 interleaved rows (csrc/gguf_rows16.h): the same sums as the
 file's blocks, the same dequantized weights to the bit, chosen per op by the block table's
 timing, and a tied LM head's repacked blocks serve the embedding too (one copy)."""
 from __future__ import annotations
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(KERNELS is None or not KERNELS.gguf_rows16_suppo
                                 reason="rows16 needs the GGUF kernels built for a CPU with AVX512-BF16")
 
 
-FORMATS = [T.Q4_0, T.Q4_1, T.Q4_K]
+FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K]
 
 
 def q4_k(rows: int, k: int, seed: int, qtype: T = T.Q4_K):
@@ -70,7 +70,7 @@ def test_only_whole_groups_of_q4_k_under_bf16_are_repacked():
     rng = np.random.default_rng(1)
     assert not rows16_applies(q4_k(40, 256, 2), torch.bfloat16, KERNELS)          # 40 rows: not groups of 16
     assert not rows16_applies(q4_k(32, 256, 2), torch.float32, KERNELS)           # fp32 activations
-    for other in (T.Q5_0, T.Q5_K, T.Q6_K, T.Q8_0):
+    for other in (T.Q5_0, T.Q5_K, T.Q6_K):
         assert not rows16_applies(blocks_of(rng.standard_normal((32, 256)), other), torch.bfloat16, KERNELS)
     with pytest.raises(RuntimeError, match="bf16 activations"):
         packed = in_layout(q4_k(32, 256, 3), BlockLayout.ROWS16, torch.bfloat16, KERNELS)

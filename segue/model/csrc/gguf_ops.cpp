@@ -18,15 +18,16 @@
 #endif
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 // ggml_type ids.
 enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-                       // Not ggml types: Q4_0, Q4_1 and Q4_K repacked with 16 output rows interleaved
-                       // (gguf_rows16.h): 1000 + the file's type.
-                       Q4_0_ROWS16 = 1002, Q4_1_ROWS16 = 1003, Q4_K_ROWS16 = 1012 };
+                       // Not ggml types: Q4_0, Q4_1, Q8_0 and Q4_K repacked with 16 output rows
+                       // interleaved (gguf_rows16.h): 1000 + the file's type.
+                       Q4_0_ROWS16 = 1002, Q4_1_ROWS16 = 1003, Q8_0_ROWS16 = 1008, Q4_K_ROWS16 = 1012 };
 
 struct Format {
   int64_t block;     // weights per block
@@ -66,6 +67,7 @@ inline float f16(const uint8_t* p) {
 #include "gguf_dot.h"
 #include "gguf_dot_formats.h"
 #include "gguf_rows16.h"
+#include "gguf_rows16_q8_0.h"
 namespace {
 
 bool rows16_supported() {
@@ -76,7 +78,7 @@ bool rows16_supported() {
 #endif
 }
 
-bool is_rows16(int64_t t) { return t == Q4_0_ROWS16 || t == Q4_1_ROWS16 || t == Q4_K_ROWS16; }
+bool is_rows16(int64_t t) { return t == Q4_0_ROWS16 || t == Q4_1_ROWS16 || t == Q8_0_ROWS16 || t == Q4_K_ROWS16; }
 
 // Output rows of a segment: a rows16 segment is [N / 16, bytes of a group].
 int64_t rows_of(const torch::Tensor& blocks, int64_t t) { return is_rows16(t) ? 16 * blocks.size(0) : blocks.size(0); }
@@ -88,6 +90,7 @@ auto with_rows16(int64_t t, Fn fn) {
   switch (t) {
     case Q4_K_ROWS16: case Q4_K: return fn(gguf_rows16::Q4K{});
     case Q4_0_ROWS16: case Q4_0: return fn(gguf_rows16::Legacy<false>{});
+    case Q8_0_ROWS16: case Q8_0: return fn(gguf_rows16::Q8{});
     default: return fn(gguf_rows16::Legacy<true>{});
   }
 }
@@ -97,19 +100,36 @@ int64_t rows16_group_bytes(int64_t t, int64_t K) {
   return with_rows16(t, [&](auto f) { using F = decltype(f); return K / (32 * F::SUBS) * F::TILE; });
 }
 
+// Q8_0 has its own kernels (two nibble planes); the 4-bit formats share gguf_rows16's.
+template <typename F, int R>
+void rows16_dot_r(const uint8_t* tiles, int64_t K, const uint16_t* x, const float* xsum, float (*out)[gguf_rows16::ROWS]) {
+  if constexpr (std::is_same_v<F, gguf_rows16::Q8>) F::template dot<R>(tiles, K, x, xsum, out);
+  else gguf_rows16::dot<F, R>(tiles, K, x, xsum, out);
+}
+template <typename F>
+void rows16_dequantize_row(const uint8_t* tiles, int64_t K, int i, c10::BFloat16* out) {
+  if constexpr (std::is_same_v<F, gguf_rows16::Q8>) F::dequantize_row(tiles, K, i, out);
+  else gguf_rows16::dequantize_row<F>(tiles, K, i, out);
+}
+template <typename F>
+void rows16_dequantize_group(const uint8_t* tiles, int64_t K, c10::BFloat16* out) {
+  if constexpr (std::is_same_v<F, gguf_rows16::Q8>) F::dequantize_group(tiles, K, out);
+  else gguf_rows16::dequantize_group<F>(tiles, K, out);
+}
+
 // Rows [0, mb) of x (mb <= 8) against one rows16 group's tiles of format F.
 template <typename F>
 void rows16_dot(const uint8_t* tiles, int64_t K, const uint16_t* x, const float* xsum, int64_t mb,
                 float (*out)[gguf_rows16::ROWS]) {
   switch (mb) {
-    case 1: return gguf_rows16::dot<F, 1>(tiles, K, x, xsum, out);
-    case 2: return gguf_rows16::dot<F, 2>(tiles, K, x, xsum, out);
-    case 3: return gguf_rows16::dot<F, 3>(tiles, K, x, xsum, out);
-    case 4: return gguf_rows16::dot<F, 4>(tiles, K, x, xsum, out);
-    case 5: return gguf_rows16::dot<F, 5>(tiles, K, x, xsum, out);
-    case 6: return gguf_rows16::dot<F, 6>(tiles, K, x, xsum, out);
-    case 7: return gguf_rows16::dot<F, 7>(tiles, K, x, xsum, out);
-    default: return gguf_rows16::dot<F, 8>(tiles, K, x, xsum, out);
+    case 1: return rows16_dot_r<F, 1>(tiles, K, x, xsum, out);
+    case 2: return rows16_dot_r<F, 2>(tiles, K, x, xsum, out);
+    case 3: return rows16_dot_r<F, 3>(tiles, K, x, xsum, out);
+    case 4: return rows16_dot_r<F, 4>(tiles, K, x, xsum, out);
+    case 5: return rows16_dot_r<F, 5>(tiles, K, x, xsum, out);
+    case 6: return rows16_dot_r<F, 6>(tiles, K, x, xsum, out);
+    case 7: return rows16_dot_r<F, 7>(tiles, K, x, xsum, out);
+    default: return rows16_dot_r<F, 8>(tiles, K, x, xsum, out);
   }
 }
 #endif
@@ -291,12 +311,12 @@ torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type, int64_t K, tor
     if (all) {
 #pragma omp parallel for schedule(static) if (R * K >= 65536)
       for (int64_t g = 0; g < N / 16; ++g)
-        with_rows16(type, [&](auto fmt) { gguf_rows16::dequantize_group<decltype(fmt)>(bp + g * row_bytes, K, o16 + 16 * g * K); });
+        with_rows16(type, [&](auto fmt) { rows16_dequantize_group<decltype(fmt)>(bp + g * row_bytes, K, o16 + 16 * g * K); });
     } else {
 #pragma omp parallel for schedule(static) if (R * K >= 65536)
       for (int64_t r = 0; r < R; ++r)
         with_rows16(type, [&](auto fmt) {
-          gguf_rows16::dequantize_row<decltype(fmt)>(bp + ip[r] / 16 * row_bytes, K, static_cast<int>(ip[r] % 16), o16 + r * K);
+          rows16_dequantize_row<decltype(fmt)>(bp + ip[r] / 16 * row_bytes, K, static_cast<int>(ip[r] % 16), o16 + r * K);
         });
     }
     return out;
@@ -336,10 +356,11 @@ torch::Tensor gguf_dequantize(torch::Tensor blocks, int64_t type, int64_t K, tor
   return out;
 }
 
-// A [N, row bytes] Q4_0, Q4_1 or Q4_K segment (N % 16 == 0) repacked as [N / 16, group bytes]
+// A [N, row bytes] Q4_0, Q4_1, Q8_0 or Q4_K segment (N % 16 == 0) repacked as [N / 16, group bytes]
 // rows16 groups (type 1000 + its type).
 torch::Tensor gguf_interleave_rows(torch::Tensor blocks, int64_t type, int64_t K) {
-  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q4_K, "gguf_interleave_rows: Q4_0, Q4_1 or Q4_K, not type ", type);
+  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K,
+              "gguf_interleave_rows: Q4_0, Q4_1, Q8_0 or Q4_K, not type ", type);
   check_segment(blocks, type, K);
   TORCH_CHECK(rows16_supported(), "gguf_interleave_rows: rows16 needs a CPU with AVX512-BF16");
   const int64_t N = blocks.size(0);
@@ -368,9 +389,9 @@ torch::Tensor gguf_interleave_rows(torch::Tensor blocks, int64_t type, int64_t K
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_rows16_supported", &rows16_supported,
-        "whether Q4_0, Q4_1 and Q4_K can be repacked and computed as rows16 groups");
+        "whether Q4_0, Q4_1, Q8_0 and Q4_K can be repacked and computed as rows16 groups");
   m.def("gguf_interleave_rows", &gguf_interleave_rows,
-        "a Q4_0, Q4_1 or Q4_K segment repacked as rows16 groups (type 1000 + its type)",
+        "a Q4_0, Q4_1, Q8_0 or Q4_K segment repacked as rows16 groups (type 1000 + its type)",
         py::arg("blocks"), py::arg("type"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
   m.def("gguf_linear", &gguf_linear, "x @ dequant(ggml blocks)^T over row segments of possibly different types "
         "(fp32 out for fp32 or fp16 x; bf16 x gets bf16 out unless fp32_out)",
