@@ -31,7 +31,7 @@ _HEADERS = [Path(__file__).parent / "csrc" / name
 _GGUF_SOURCES = [Path(__file__).parent / "csrc" / "gguf_ops.cpp"]
 _GGUF_HEADERS = [Path(__file__).parent / "csrc" / name
                  for name in ("gguf_fp32.h", "gguf_bf16.h", "gguf_dot.h", "gguf_dot_formats.h", "gguf_rows16.h",
-                              "gguf_rows16_q8_0.h")]
+                              "gguf_rows16_q8_0.h", "gguf_rows16_ops.h")]
 
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
