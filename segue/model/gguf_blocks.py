@@ -9,11 +9,10 @@ weights (prefill chunks) dequantize the layer to the compute dtype for that call
 GEMM, or use a dense copy kept beside the blocks where the user allows the memory
 (`--weights-memory dense`); which batch sizes go where is measured (segue/model/gguf_table.py).
 
-On CPUs with AVX512-BF16, Q4_0, Q4_1, Q8_0 and Q4_K matrices may instead be repacked at load time with
-16 output rows interleaved (`BlockLayout.ROWS16`, csrc/gguf_rows16.h: the same codes and scales,
-the same bytes; Q4_K's unpacked 6-bit scales 3 % more),
-which a decode kernel reads with far fewer instructions a weight; the block table measures both
-layouts and the faster one is used.
+On CPUs with AVX512-BF16, Q4_0, Q4_1, Q8_0 and Q4_K matrices may instead be repacked at load time
+with 16 output rows interleaved (`BlockLayout.ROWS16`, csrc/gguf_rows16.h: the same codes and
+scales in the same bytes, Q4_K's unpacked 6-bit scales 3 % more), which a decode kernel reads with
+far fewer instructions a weight; the block table measures both layouts and the faster one is used.
 """
 from __future__ import annotations
 

@@ -5,9 +5,9 @@ which wins while a step is bound by memory (decode); past some batch size the de
 the layer dequantized for that call or, where `--weights-memory dense` allows, over a dense copy.
 Where the two cross depends on the CPU, the formats and the model's shapes, so it is timed on the
 model's own blocks (a few layers, cycled so that they stream from memory as in a step) and cached
-like the other kernel tables (segue/model/table_cache.py). Where a layer's Q4_0, Q4_1 or Q4_K matrices can be
-repacked as rows16 (gguf_blocks.BlockLayout), the block kernels are timed in both layouts and the
-layout faster at one row (a single agent's decode) is the op's.
+like the other kernel tables (segue/model/table_cache.py). Where an op's Q4_0, Q4_1, Q8_0 or Q4_K
+matrices can be repacked as rows16 (gguf_blocks.BlockLayout), the block kernels are timed in both
+layouts and the layout faster at one row (a single agent's decode) is the op's.
 """
 from __future__ import annotations
 
