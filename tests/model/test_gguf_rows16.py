@@ -100,8 +100,9 @@ def test_fused_projection_mixes_rows16_and_file_segments():
     torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
 
 
-def test_a_tied_head_repacked_serves_the_embedding(tmp_path):
-    """Through the loader: a Q4_K tied head in rows16 is the embedding's table as well (resident
+@pytest.mark.parametrize("head", [T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_a_tied_head_repacked_serves_the_embedding(tmp_path, head):
+    """Through the loader: a tied head in rows16 (Q4_K, Q8_0) is the embedding's table as well (resident
     weights count it once), and the model's numbers are the file layout's."""
     from segue.bench.bench_model import write_gguf
     from segue.model.linear_plan import LinearPlan
@@ -111,7 +112,7 @@ def test_a_tied_head_repacked_serves_the_embedding(tmp_path):
     path, _ = write_gguf(tmp_path, layers=1, seed=3, mix="q4_k_m", hidden=256, intermediate=512)
     ckpt = load_checkpoint(path, keep_blocks=True)
     embed = ckpt.weights["model.embed_tokens.weight"]
-    ckpt.weights["model.embed_tokens.weight"] = blocks_of(reference(embed).numpy(), T.Q4_K)   # a Q4_K tied head
+    ckpt.weights["model.embed_tokens.weight"] = blocks_of(reference(embed).numpy(), head)   # a rows16 tied head
     plans = {layout: LinearPlan(block_rows=8, head_block_rows=8, block_layout=layout, head_block_layout=layout)
              for layout in ("file", "rows16")}
     models = {k: LlamaModel(ckpt.config, ckpt.weights, torch.device("cpu"), torch.bfloat16, p, KERNELS)
@@ -119,7 +120,7 @@ def test_a_tied_head_repacked_serves_the_embedding(tmp_path):
     packed, plain = models["rows16"], models["file"]
     assert isinstance(packed.embed_tokens, BlockEmbedding) and isinstance(packed.lm_head, BlockLinear)
     assert packed.embed_tokens.weight is packed.lm_head.segments[0]
-    assert packed.embed_tokens.weight.qtype == Q4_K_ROWS16
+    assert packed.embed_tokens.weight.qtype == ROWS16_OF[int(head)]
     assert packed.weight_bytes() <= 1.03 * plain.weight_bytes()
     ids = torch.tensor([5, 17, 300, 4000])
     h = packed.embed_tokens[ids]
