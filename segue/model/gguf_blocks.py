@@ -29,7 +29,6 @@ import torch.nn.functional as F
 NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 # Not ggml types: Q4_0, Q4_1, Q8_0 and Q4_K repacked as groups of 16 interleaved rows (the kernels' ids).
 ROWS16_OF = {2: 1002, 3: 1003, 8: 1008, 12: 1012}
-Q4_K_ROWS16 = ROWS16_OF[12]
 ROWS16_GROUP = 16
 
 
@@ -93,7 +92,7 @@ def rows16_applies(segment: GGMLBlocks, dtype: torch.dtype, kernels: ModuleType 
     """Whether `segment` can be repacked as rows16: Q4_0, Q4_1, Q8_0 or Q4_K in whole groups of 16 rows,
     bf16 activations, and kernels built for a CPU with AVX512-BF16."""
     return (segment.qtype in ROWS16_OF and segment.shape[0] % ROWS16_GROUP == 0 and dtype == torch.bfloat16
-            and kernels is not None and hasattr(kernels, "gguf_rows16_supported") and kernels.gguf_rows16_supported())
+            and kernels is not None and kernels.gguf_rows16_supported())
 
 
 def in_layout(segment: GGMLBlocks, layout: BlockLayout, dtype: torch.dtype, kernels: ModuleType | None) -> GGMLBlocks:

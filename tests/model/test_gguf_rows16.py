@@ -11,7 +11,6 @@ from test_gguf_blocks import blocks_of, reference
 
 from segue.model.cpu_kernels import load_gguf_kernels
 from segue.model.gguf_blocks import (
-    Q4_K_ROWS16,
     ROWS16_OF,
     BlockEmbedding,
     BlockLayout,
@@ -126,7 +125,7 @@ def test_a_tied_head_repacked_serves_the_embedding(tmp_path, head):
     h = packed.embed_tokens[ids]
     assert torch.equal(h, plain.embed_tokens[ids])
     torch.testing.assert_close(packed.lm_head(h), plain.lm_head(h), rtol=1e-5, atol=1e-5)
-    assert packed.layers[0].gate_up.segments[0].qtype == Q4_K_ROWS16
+    assert packed.layers[0].gate_up.segments[0].qtype == ROWS16_OF[int(T.Q4_K)]
 
 
 def test_the_block_table_picks_the_layout_faster_at_one_row():

@@ -184,15 +184,26 @@ inline void transpose16(__m512i (&r)[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
+// A dequantized sub-block's 16 position-pair registers ([p]: positions 2p, 2p + 1 of rows
+// 0..15, from pair_bf16) written as the rows' 32 bf16 each: out + i * K for row i.
+inline void store_rows(__m512i (&pairs)[16], c10::BFloat16* out, int64_t K) {
+  transpose16(pairs);
+  for (int i = 0; i < ROWS; ++i) _mm512_storeu_si512(out + i * K, pairs[i]);
+}
+
+// fp32 values of two positions for 16 rows -> one register, dword i = (bf16 even i, bf16 odd i),
+// each rounded to nearest even as gguf_bf16's Dequant rounds.
+inline __m512i pair_bf16(__m512 even, __m512 odd) {
+  // cvtne2ps(odd, even) holds even in words 0-15, odd in 16-31: word 2i <- i, 2i + 1 <- 16 + i.
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even)));
+}
+
 // All 16 rows of a group into out (row stride K): a sub-block's codes of 16 rows at a time, as in
 // `dot`, each register a position pair for the 16 rows; transposed, a row's 32 bf16 each.
 template <typename F>
 inline void dequantize_group(const uint8_t* tiles, int64_t K, c10::BFloat16* out) {
   const __m512i nibble = _mm512_set1_epi32(0x000F000F), offset = _mm512_set1_epi32(F::OFFSET);
-  // Words of cvtne2ps(odd, even): even values in words 0-15, odd in 16-31; dword i wants (i, 16 + i).
-  alignas(64) uint16_t order[32];
-  for (int i = 0; i < 16; ++i) order[2 * i] = static_cast<uint16_t>(i), order[2 * i + 1] = static_cast<uint16_t>(16 + i);
-  const __m512i interleave = _mm512_load_si512(order);
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* t = tiles + b / F::SUBS * F::TILE;
     const int j = static_cast<int>(b % F::SUBS);
@@ -207,11 +218,10 @@ inline void dequantize_group(const uint8_t* tiles, int64_t K, c10::BFloat16* out
         const __m512i qo = _mm512_sub_epi32(_mm512_srli_epi32(q, 16), offset);
         const __m512 even = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(qe), mf);
         const __m512 odd = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(qo), mf);
-        pairs[4 * c + k] = _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even)));
+        pairs[4 * c + k] = pair_bf16(even, odd);
       }
     }
-    transpose16(pairs);
-    for (int i = 0; i < ROWS; ++i) _mm512_storeu_si512(out + i * K + 32 * b, pairs[i]);
+    store_rows(pairs, out + 32 * b, K);
   }
 }
 

@@ -73,11 +73,9 @@ struct Q8 {
     }
   }
 
-  // All 16 rows: each position of 16 rows widened, scaled and paired, then transposed (transpose16).
+  // All 16 rows: each position of 16 rows widened, scaled and paired, then stored a row at a time.
   static void dequantize_group(const uint8_t* tiles, int64_t K, c10::BFloat16* out) {
-    alignas(64) uint16_t order[32];  // cvtne2ps(odd, even) -> dword i = (even i, odd i)
-    for (int i = 0; i < 16; ++i) order[2 * i] = static_cast<uint16_t>(i), order[2 * i + 1] = static_cast<uint16_t>(16 + i);
-    const __m512i interleave = _mm512_load_si512(order), low = _mm512_set1_epi32(0xFF), bias = _mm512_set1_epi32(128);
+    const __m512i low = _mm512_set1_epi32(0xFF), bias = _mm512_set1_epi32(128);
     for (int64_t b = 0; b < K / 32; ++b) {
       const uint8_t* t = tiles + b * TILE;
       const __m512 d = halves(t);
@@ -87,11 +85,10 @@ struct Q8 {
         __m512 v[4];  // byte k: position ORDER[k]
         for (int k = 0; k < 4; ++k)
           v[k] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(raw, 8 * k), low), bias)));
-        pairs[2 * c] = _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[2], v[0])));
-        pairs[2 * c + 1] = _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[3], v[1])));
+        pairs[2 * c] = pair_bf16(v[0], v[2]);
+        pairs[2 * c + 1] = pair_bf16(v[1], v[3]);
       }
-      transpose16(pairs);
-      for (int i = 0; i < ROWS; ++i) _mm512_storeu_si512(out + i * K + 32 * b, pairs[i]);
+      store_rows(pairs, out + 32 * b, K);
     }
   }
 };
